@@ -1,0 +1,47 @@
+# trajbus: the two commands a newcomer needs are `make demo` and `make test`.
+# Both do all set-up (virtualenv, install, Kafka jars from Maven Central, broker start/stop)
+# and are idempotent.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast lint bench setup jars clean help
+
+help:
+	@echo "make demo   - run the main job: local Kafka, processors, simulated fleet, archive"
+	@echo "make test   - set up and run the whole test suite against a real local broker"
+	@echo "make bench  - run the benchmarks under bench/ and write BENCHMARKS.md"
+	@echo "make lint   - ruff + mypy"
+
+setup: $(STAMP) jars
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+jars: $(STAMP)
+	$(VENV)/bin/trajbus kafka jars
+
+demo: setup
+	$(VENV)/bin/trajbus demo $(DEMO_ARGS)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy trajbus bus producers consumers schemas archive infra
+
+bench: setup
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf .trajbus build *.egg-info

@@ -1,0 +1,89 @@
+"""The process's one Kafka producer: built lazily, shared, idempotent.
+
+Field lesson (MISSION.md): a client that owns a connection pool must be built once per process;
+one per attempt leaked thousands of file descriptors. :func:`get_producer` returns the same
+started :class:`aiokafka.AIOKafkaProducer` for every caller on the running event loop.
+
+Guarantee: ``enable_idempotence=True`` (so ``acks=all``): a retried send is written once per
+partition, in order. A send is durable when its future resolves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+
+from trajbus.bus.kafka import BrokerUnavailableError, connection_options
+from trajbus.bus.settings import KafkaSettings, get_settings
+
+_producer: AIOKafkaProducer | None = None
+_loop: asyncio.AbstractEventLoop | None = None
+_lock: asyncio.Lock | None = None
+builds = 0  # how many producers this process has built (tests assert it stays at 1)
+
+
+def producer_options(k: KafkaSettings, **overrides: Any) -> dict[str, Any]:
+    opts = connection_options(k)
+    opts.update(
+        client_id=f"{k.client_id}-producer",
+        enable_idempotence=True,
+        acks="all",
+        compression_type=k.compression_type,
+        linger_ms=k.linger_ms,
+        max_batch_size=k.max_batch_size,
+        max_request_size=k.max_request_size,
+    )
+    opts.update(overrides)
+    return opts
+
+
+async def get_producer(settings: KafkaSettings | None = None) -> AIOKafkaProducer:
+    """The shared producer, started on first use (lock-guarded). Fails fast, with what to set,
+    when the broker is unreachable."""
+    global _producer, _loop, _lock, builds
+    loop = asyncio.get_running_loop()
+    if _producer is not None and _loop is loop:
+        return _producer
+    if _lock is None or _loop is not loop:
+        # A new event loop (e.g. a new asyncio.run) cannot reuse the old loop's client.
+        if _producer is not None:
+            await _discard()
+        _lock = asyncio.Lock()
+        _loop = loop
+    async with _lock:
+        if _producer is None:
+            k = settings or get_settings().kafka
+            producer = AIOKafkaProducer(**producer_options(k))
+            builds += 1
+            try:
+                await asyncio.wait_for(producer.start(), timeout=k.connect_timeout_s)
+            except Exception as exc:
+                await producer.stop()
+                raise BrokerUnavailableError(
+                    f"cannot start a Kafka producer for {k.bootstrap_servers} "
+                    f"({type(exc).__name__}: {exc}). Start the local broker with "
+                    "`trajbus kafka up`, or set TRAJBUS_KAFKA__BOOTSTRAP_SERVERS."
+                ) from exc
+            _producer = producer
+    return _producer
+
+
+async def _discard() -> None:
+    global _producer
+    p, _producer = _producer, None
+    if p is not None:
+        try:
+            await p.stop()
+        except Exception:  # the old loop may be gone; the client is dropped either way
+            pass
+
+
+async def close_producer() -> None:
+    """Flush and close the shared producer (call once at process exit)."""
+    global _producer
+    p, _producer = _producer, None
+    if p is not None:
+        await p.flush()
+        await p.stop()

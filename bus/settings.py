@@ -1,0 +1,119 @@
+"""Typed settings. Environment variables are prefixed ``TRAJBUS_``; defaults are the reference
+configuration (MISSION.md), so a deviation is an explicit override, never an edit.
+
+Nested groups use a double underscore: ``TRAJBUS_WATCHDOG__LOOP_MIN_REPEATS=30``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class KafkaSettings(BaseModel):
+    bootstrap_servers: str = "127.0.0.1:9092"
+    client_id: str = "trajbus"
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    compression_type: Literal["gzip", "lz4", "zstd", "snappy"] | None = "lz4"
+    linger_ms: int = 10
+    max_batch_size: int = 1_048_576
+    max_request_size: int = 8 * 1024 * 1024
+    request_timeout_ms: int = 30_000
+    connect_timeout_s: float = 10.0
+
+
+class TopicSettings(BaseModel):
+    prefix: str = "trajbus"
+    partitions: int = 6
+    replication_factor: int = 1
+    max_message_bytes: int = 8 * 1024 * 1024
+
+
+class ProducerSideSettings(BaseModel):
+    chunk_size: int = 256 * 1024
+    claim_check_threshold: int = 1024 * 1024
+    queue_max_events: int = 10_000
+    queue_full_timeout_s: float = 5.0
+    drain_deadline_s: float = 30.0
+    redact_env: list[str] = Field(
+        default_factory=lambda: [
+            "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "OPENAI_API_KEY", "ANTHROPIC_API_KEY",
+            "HF_TOKEN", "GITHUB_TOKEN", "TRAJBUS_KAFKA__SASL_PASSWORD",
+        ]
+    )
+
+
+class WatchdogSettings(BaseModel):
+    loop_min_repeats: int = 20
+    loop_min_span_ms: int = 120_000
+    loop_max_distinct_results: int = 0
+    max_cycle_length: int = 3
+    ignore_fields: list[str] = Field(
+        default_factory=lambda: ["timestamp", "ts", "request_id", "nonce", "trace_id"]
+    )
+    stall_after_ms: int = 600_000
+    dry_run: bool = False
+
+
+class SchedulerSettings(BaseModel):
+    lease_ttl_ms: int = 600_000
+    heartbeat_interval_ms: int = 300_000
+    missed_heartbeats_to_reclaim: int = 2
+    liveness_failures_to_drain: int = 3
+    drain_grace_ms: int = 30_000
+    tick_interval_ms: int = 1_000
+    affinity_cached_bonus: float = 50.0
+    affinity_remote_penalty: float = -30.0
+    gpu_cooldown_per_s: float = 0.5
+    tenant_default_credit_cpu: float = 64.0
+    tenant_burst_factor: float = 1.5
+    tenant_burst_max_ms: int = 60_000
+
+
+class ReplaySettings(BaseModel):
+    gap_timeout_ms: int = 5_000
+    max_buffered_per_episode: int = 10_000
+    max_buffered_total: int = 2_000_000
+
+
+class ArchiveSettings(BaseModel):
+    url: str = ".trajbus/archive"  # a local directory, or s3://bucket/prefix
+    s3_endpoint_url: str | None = None
+    target_object_bytes: int = 64 * 1024 * 1024
+    row_group_rows: int = 50_000
+    max_open_ms: int = 6 * 3600 * 1000  # rotation by event time: archival every 6 hours
+    spool_dir: str = ".trajbus/spool"
+    retention_days: int = 90
+
+
+class Settings(BaseSettings):
+    """All of trajbus's configuration. ``Settings()`` reads the environment."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="TRAJBUS_", env_nested_delimiter="__", extra="ignore"
+    )
+
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    topics: TopicSettings = Field(default_factory=TopicSettings)
+    producer: ProducerSideSettings = Field(default_factory=ProducerSideSettings)
+    watchdog: WatchdogSettings = Field(default_factory=WatchdogSettings)
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    replay: ReplaySettings = Field(default_factory=ReplaySettings)
+    archive: ArchiveSettings = Field(default_factory=ArchiveSettings)
+    state_dir: Path = Path(".trajbus/state")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process's settings, read once from the environment."""
+    return Settings()

@@ -1,0 +1,139 @@
+"""The schema registry: bundled Avro schemas, parsed once, addressed by name and fingerprint.
+
+The `.avsc` files in `schemas/avro/` are the contract. Each event kind is a record whose first
+field, `header`, is the shared `trajbus.Envelope`. A registry knows:
+
+* reader schemas: the bundled ones, by full name (what this version of trajbus reads into);
+* writer schemas: every schema it has seen, by CRC-64-AVRO fingerprint of the parsing canonical
+  form (the bundled ones, plus any registered later, e.g. from the `trajbus.schemas` topic).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from fastavro import parse_schema
+from fastavro.schema import fingerprint, to_parsing_canonical_form
+
+ENVELOPE = "trajbus.Envelope"
+
+
+@dataclass(frozen=True, slots=True)
+class SchemaInfo:
+    """One parsed schema and its identity."""
+
+    name: str  # full name, e.g. "trajbus.events.ToolCall"
+    parsed: Any = field(repr=False)  # fastavro parsed schema, self-contained
+    canonical: str = field(repr=False)  # Avro parsing canonical form
+    fingerprint: bytes = field(repr=False)  # 8 bytes, CRC-64-AVRO, little-endian (as on the wire)
+
+    @property
+    def short_name(self) -> str:
+        return self.name.rsplit(".", 1)[-1]
+
+
+def avro_fingerprint(canonical: str) -> bytes:
+    """CRC-64-AVRO of a parsing canonical form, as the 8 little-endian wire bytes.
+
+    fastavro returns the hex of the little-endian bytes already; reversing it is a classic bug.
+    """
+    return bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))
+
+
+def _load_bundled_json() -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for entry in resources.files("trajbus.schemas").joinpath("avro").iterdir():
+        if entry.name.endswith(".avsc"):
+            schema = json.loads(entry.read_text(encoding="utf-8"))
+            out[f"{schema['namespace']}.{schema['name']}"] = schema
+    return out
+
+
+class SchemaRegistry:
+    """Reader schemas by name and writer schemas by fingerprint. Thread-safe for registration."""
+
+    def __init__(self, bundled: dict[str, dict[str, Any]] | None = None) -> None:
+        raw = bundled if bundled is not None else _load_bundled_json()
+        if ENVELOPE not in raw:
+            raise ValueError(f"the schema set lacks {ENVELOPE}")
+        self._envelope = raw[ENVELOPE]
+        self._readers: dict[str, SchemaInfo] = {}
+        self._writers: dict[bytes, SchemaInfo] = {}
+        self._lock = threading.Lock()
+        for name, schema in sorted(raw.items()):
+            if name == ENVELOPE:
+                continue
+            info = self._parse(schema)
+            self._readers[info.name] = info
+            self._writers[info.fingerprint] = info
+
+    def _parse(self, schema: dict[str, Any]) -> SchemaInfo:
+        # Inline the envelope so every schema is self-contained: its canonical form (and so
+        # its fingerprint) is what any other Avro implementation computes for it.
+        parsed = parse_schema(_inline(schema, ENVELOPE, self._envelope), _write_hint=False)
+        canonical = to_parsing_canonical_form(parsed)
+        name = parsed["name"] if isinstance(parsed, dict) else str(parsed)
+        return SchemaInfo(name, parsed, canonical, avro_fingerprint(canonical))
+
+    # -- readers -------------------------------------------------------------------------
+    def reader(self, name: str) -> SchemaInfo:
+        """The reader (current) schema for a full or short name, e.g. "ToolCall"."""
+        info = self._readers.get(name) or self._readers.get(self._by_short().get(name, ""))
+        if info is None:
+            raise KeyError(f"no bundled schema named {name!r}; known: {sorted(self._by_short())}")
+        return info
+
+    def _by_short(self) -> dict[str, str]:
+        return _short_names(tuple(self._readers))
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._readers)
+
+    # -- writers -------------------------------------------------------------------------
+    def writer(self, fp: bytes) -> SchemaInfo | None:
+        return self._writers.get(fp)
+
+    def register_writer(self, schema_json: str | dict[str, Any]) -> SchemaInfo:
+        """Learn a writer schema (e.g. from the `trajbus.schemas` topic). Idempotent."""
+        schema = json.loads(schema_json) if isinstance(schema_json, str) else schema_json
+        info = self._parse(schema)
+        with self._lock:
+            self._writers.setdefault(info.fingerprint, info)
+        return self._writers[info.fingerprint]
+
+
+def _inline(schema: dict[str, Any], ref: str, definition: dict[str, Any]) -> dict[str, Any]:
+    """Replace the first reference to `ref` among the record's fields by its definition."""
+    fields = []
+    done = False
+    for f in schema.get("fields", []):
+        if not done and f.get("type") == ref:
+            f = {**f, "type": definition}
+            done = True
+        fields.append(f)
+    return {**schema, "fields": fields}
+
+
+@cache
+def _short_names(full_names: tuple[str, ...]) -> dict[str, str]:
+    return {n.rsplit(".", 1)[-1]: n for n in full_names}
+
+
+_default: SchemaRegistry | None = None
+_default_lock = threading.Lock()
+
+
+def default_registry() -> SchemaRegistry:
+    """The process-wide registry of bundled schemas, parsed once."""
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                _default = SchemaRegistry()
+    return _default

@@ -1,0 +1,158 @@
+"""The Avro single-object codec: wire format, fingerprints, round trips and typed errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trajbus.schemas.codec import (
+    MAGIC,
+    Codec,
+    CorruptBodyError,
+    DecodeError,
+    EncodeError,
+    NotSingleObjectError,
+    UnknownSchemaError,
+)
+from trajbus.schemas.registry import avro_fingerprint, default_registry
+from trajbus.schemas.testing import records
+
+REGISTRY = default_registry()
+CODEC = Codec(REGISTRY)
+
+
+def crc64_avro(data: bytes) -> int:
+    """Independent CRC-64-AVRO, transcribed from the Avro specification's reference code."""
+    empty = 0xC15D213AA4D7A795
+    table = []
+    for i in range(256):
+        fp = i
+        for _ in range(8):
+            fp = (fp >> 1) ^ (empty & -(fp & 1))
+        table.append(fp)
+    fp = empty
+    for b in data:
+        fp = (fp >> 8) ^ table[(fp ^ b) & 0xFF]
+    return fp
+
+
+def test_fingerprint_matches_the_avro_specification_test_vector() -> None:
+    # The schema "int" has CRC-64-AVRO 0x7275D51A3F395C8F; on the wire it is little-endian.
+    assert crc64_avro(b'"int"') == 0x7275D51A3F395C8F
+    assert avro_fingerprint('"int"') == bytes.fromhex("8f5c393f1ad57572")
+    assert MAGIC + avro_fingerprint('"int"') == bytes.fromhex("c3018f5c393f1ad57572")
+
+
+@pytest.mark.parametrize("name", REGISTRY.names)
+def test_every_schema_fingerprint_equals_an_independent_crc64(name: str) -> None:
+    info = REGISTRY.reader(name)
+    assert info.fingerprint == crc64_avro(info.canonical.encode()).to_bytes(8, "little")
+
+
+@pytest.mark.parametrize("name", REGISTRY.names)
+def test_canonical_form_is_self_contained(name: str) -> None:
+    # The envelope is inlined: another Avro implementation can parse the canonical form alone.
+    canonical = json.loads(REGISTRY.reader(name).canonical)
+    header = canonical["fields"][0]
+    assert header["name"] == "header" and header["type"]["name"] == "trajbus.Envelope"
+
+
+def test_message_layout_is_marker_fingerprint_body() -> None:
+    record = {"header": _header(), "call_id": "c1", "tool": "exec", "args_hash": "ab"}
+    data = CODEC.encode("ToolCall", record)
+    assert data[:2] == b"\xc3\x01"
+    assert data[2:10] == REGISTRY.reader("ToolCall").fingerprint
+    decoded = CODEC.decode(data)
+    assert decoded.kind == "ToolCall"
+    assert decoded.record["call_id"] == "c1" and decoded.record["args_summary"] == ""
+
+
+@pytest.mark.parametrize("name", REGISTRY.names)
+def test_round_trip_of_every_kind_property(name: str) -> None:
+    info = REGISTRY.reader(name)
+
+    @settings(max_examples=40, deadline=None)
+    @given(records(json.loads(info.canonical)))
+    def check(record: dict) -> None:  # type: ignore[type-arg]
+        decoded = CODEC.decode(CODEC.encode(name, record))
+        assert decoded.kind == info.short_name
+        assert _normalise(decoded.record) == _normalise(record)
+
+    check()
+
+
+def test_random_bytes_raise_typed_errors_never_anything_else() -> None:
+    @settings(max_examples=300, deadline=None)
+    @given(st.binary(max_size=64))
+    def check(data: bytes) -> None:
+        try:
+            CODEC.decode(data)
+        except DecodeError as exc:
+            assert exc.reason_code in {"bad_magic", "unknown_schema", "corrupt_body"}
+
+    check()
+
+
+def test_truncated_body_is_corrupt_body() -> None:
+    data = CODEC.encode("ToolCall", {"header": _header(), "call_id": "c", "tool": "t",
+                                     "args_hash": "h"})
+    with pytest.raises(CorruptBodyError) as err:
+        CODEC.decode(data[:-4])
+    assert err.value.reason_code == "corrupt_body"
+
+
+def test_trailing_garbage_is_corrupt_body() -> None:
+    data = CODEC.encode("Heartbeat", {"header": _header()})
+    with pytest.raises(CorruptBodyError):
+        CODEC.decode(data + b"\x00\x01")
+
+
+def test_unknown_fingerprint_and_bad_magic_are_distinguished() -> None:
+    with pytest.raises(UnknownSchemaError) as err:
+        CODEC.decode(b"\xc3\x01" + b"\x11" * 8 + b"\x00")
+    assert err.value.reason_code == "unknown_schema"
+    with pytest.raises(NotSingleObjectError):
+        CODEC.decode(b'{"json": true}')
+
+
+def test_encoding_an_invalid_record_raises_encode_error() -> None:
+    with pytest.raises(EncodeError):
+        CODEC.encode("ToolCall", {"header": _header(), "call_id": 7, "tool": "t",
+                                  "args_hash": "h"})
+
+
+def test_a_writer_schema_learned_at_run_time_is_resolved_to_the_reader_schema() -> None:
+    # An older producer wrote ToolCall without args_summary: its schema arrives via the
+    # schema topic; today's reader fills the default.
+    old = json.loads(REGISTRY.reader("ToolCall").canonical)
+    old["fields"] = [f for f in old["fields"] if f["name"] != "args_summary"]
+    info = REGISTRY.register_writer(old)
+    import io
+
+    from fastavro import schemaless_writer
+
+    buf = io.BytesIO()
+    buf.write(MAGIC + info.fingerprint)
+    schemaless_writer(buf, info.parsed, {"header": _header(), "call_id": "c", "tool": "t",
+                                         "args_hash": "h", "args_canonical": None})
+    decoded = Codec(REGISTRY).decode(buf.getvalue())
+    assert decoded.kind == "ToolCall" and decoded.record["args_summary"] == ""
+
+
+def _header() -> dict:  # type: ignore[type-arg]
+    return {"event_id": "e1", "task": "t", "sandbox": "s", "episode": "ep", "seq": 3,
+            "event_time_ms": 1_700_000_000_000, "producer_id": "p", "policy_version": None}
+
+
+def _normalise(value):  # type: ignore[no-untyped-def]
+    # float32 fields lose precision on the wire; compare them loosely.
+    if isinstance(value, dict):
+        return {k: _normalise(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_normalise(v) for v in value]
+    if isinstance(value, float):
+        return round(value, 3) if abs(value) < 1e30 else value
+    return value

@@ -1,0 +1,3 @@
+from trajbus.cli import main
+
+main()
