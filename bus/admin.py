@@ -20,7 +20,9 @@ from trajbus.bus.topics import Topics, TopicSpec
 from trajbus.schemas.registry import SchemaRegistry, default_registry
 
 
-async def ensure_topics(settings: Settings, specs: Iterable[TopicSpec]) -> tuple[list[str], list[str]]:
+async def ensure_topics(
+    settings: Settings, specs: Iterable[TopicSpec]
+) -> tuple[list[str], list[str]]:
     """Create the missing topics. Returns (created, already_present)."""
     specs = list(specs)
     admin = AIOKafkaAdminClient(
@@ -65,7 +67,9 @@ async def _wait_visible(admin: AIOKafkaAdminClient, names: list[str], timeout: f
         await asyncio.sleep(0.1)
 
 
-async def ensure_base_topics(settings: Settings, tasks: Iterable[str] = ()) -> tuple[list[str], list[str]]:
+async def ensure_base_topics(
+    settings: Settings, tasks: Iterable[str] = ()
+) -> tuple[list[str], list[str]]:
     topics = Topics(settings)
     specs = topics.specs + [
         topics.replay_spec(t, settings.topics.partitions, settings.topics.max_message_bytes)

@@ -10,7 +10,7 @@ from trajbus.bus.settings import Settings, get_settings
 from trajbus.bus.topics import Topics
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     topics = sub.add_parser(
         "topics",
         help="create or list trajbus's Kafka topics",

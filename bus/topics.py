@@ -78,7 +78,9 @@ class Topics:
         """The per-task replay topic for trainers."""
         return f"{self.prefix}.replay.{validate_name('task', task)}"
 
-    def replay_spec(self, task: str, partitions: int = 6, max_bytes: int | None = None) -> TopicSpec:
+    def replay_spec(
+        self, task: str, partitions: int = 6, max_bytes: int | None = None
+    ) -> TopicSpec:
         return TopicSpec(self.replay(task), partitions, f"ordered replay segments of task {task}",
                          "episode", max_message_bytes=max_bytes)
 

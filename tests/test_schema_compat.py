@@ -79,5 +79,5 @@ def test_the_guard_catches_a_breaking_change() -> None:
     record = {"header": {"event_id": "e", "task": "t", "sandbox": "s", "episode": None,
                          "seq": 0, "event_time_ms": 0, "producer_id": "p",
                          "policy_version": None}, "lease_ttl_ms": 1}
-    with pytest.raises(Exception, match="zone|default"):
+    with pytest.raises(Exception, match=r"zone|default"):
         _resolves(old, broken, record)

@@ -82,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _is_user_error(exc: Exception) -> bool:
     from trajbus.bus.kafka import BrokerUnavailableError
 
-    return isinstance(exc, BrokerUnavailableError | FileNotFoundError | PermissionError | ValueError)
+    user_errors = BrokerUnavailableError | FileNotFoundError | PermissionError | ValueError
+    return isinstance(exc, user_errors)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,309 @@
+"""The imperative shell shared by every stream processor (reorder, watchdog, scheduler).
+
+A processor is a pure core behind a :class:`Processor` adapter. The runner feeds it records
+and persists its outputs and state with Kafka transactions:
+
+    consume batch -> core.handle(...) -> outputs + dirty state + input offsets
+                  -> ONE transaction: output records, state changelog records, offsets
+
+Guarantee: a batch's outputs, the state they leave behind and the input offsets that produced
+them become visible together or not at all (consumers of our outputs read ``read_committed``).
+A worker killed at any point restarts from the last committed offsets with the state of that
+same moment, so it re-derives exactly the outputs that were lost, never a second copy of a
+committed one. (Across a rebalance between two *live* workers, a fenced-out zombie can still
+commit once more; every output carries a deterministic event id and downstream dedupes by
+(episode, seq), so such a duplicate is recognisable and dropped.)
+
+Time: cores never read the clock. Each runner's ticker publishes :class:`Tick` events into its
+input partitions, so ticks are part of the log and an offline replay makes the same decisions.
+
+Why not a faust agent: faust-streaming's ``exactly_once`` logs and swallows transaction errors
+(STACK-NOTES.md, faust #517/#177), and its timers cannot be driven by a test. This loop is ~200
+lines of explicit aiokafka with the same table-plus-changelog recovery model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+
+from trajbus.bus.admin import ensure_topics
+from trajbus.bus.kafka import check_broker, connection_options
+from trajbus.bus.producer import producer_options
+from trajbus.bus.settings import Settings
+from trajbus.bus.topics import Topics, TopicSpec
+from trajbus.consumers import metrics
+from trajbus.schemas.models import Envelope, Tick
+
+log = logging.getLogger("trajbus.runner")
+
+
+@dataclass(frozen=True, slots=True)
+class InRecord:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    timestamp_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class OutRecord:
+    topic: str
+    key: bytes | None
+    value: bytes
+    partition: int | None = None
+
+
+class Processor(Protocol):
+    """A pure core plus its encoding. One instance serves one input partition (or all of them
+    for a global processor such as the scheduler)."""
+
+    def handle(self, record: InRecord) -> list[OutRecord]: ...
+
+    def tick(self, now_ms: int) -> list[OutRecord]: ...
+
+    def take_dirty(self) -> dict[str, bytes | None]: ...
+
+    def restore(self, key: str, blob: bytes) -> None: ...
+
+
+@dataclass
+class ProcessorSpec:
+    """How to run one processor kind."""
+
+    name: str  # "reorder", "watchdog", "scheduler"
+    input_topics: list[str]
+    factory: Callable[[], Processor]
+    output_topics: Callable[[], Iterable[TopicSpec]] = lambda: ()
+    global_state: bool = False  # True: one core for every partition (requires one worker)
+    extra_topics: list[TopicSpec] = field(default_factory=list)
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        self.runner.drop(revoked)
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        await self.runner.restore(assigned)
+
+
+class Runner:
+    """Runs one processor kind in a consumer group with transactional outputs and state."""
+
+    def __init__(self, settings: Settings, spec: ProcessorSpec, worker_id: str = "w0") -> None:
+        self.settings = settings
+        self.spec = spec
+        self.worker_id = worker_id
+        self.topics = Topics(settings)
+        prefix = settings.topics.prefix
+        self.group_id = f"{prefix}.{spec.name}"
+        self.changelog = f"{prefix}.{spec.name}.state"
+        self.cores: dict[int, Processor] = {}
+        self.stopping = asyncio.Event()
+        self.idle_batches = 0
+        self.processed = 0
+        self._consumer: AIOKafkaConsumer | None = None
+        self._producer: AIOKafkaProducer | None = None
+        self._known_topics: set[str] = set()
+
+    # -- state --------------------------------------------------------------------------
+    def _slot(self, partition: int) -> int:
+        return 0 if self.spec.global_state else partition
+
+    def drop(self, revoked: Iterable[TopicPartition]) -> None:
+        if not self.spec.global_state:
+            for tp in revoked:
+                self.cores.pop(tp.partition, None)
+
+    async def restore(self, assigned: Iterable[TopicPartition]) -> None:
+        """Rebuild the cores of newly assigned partitions from the committed changelog."""
+        slots = sorted({self._slot(tp.partition) for tp in assigned} - set(self.cores))
+        if not slots:
+            return
+        started = time.monotonic()
+        consumer = AIOKafkaConsumer(
+            **connection_options(self.settings.kafka),
+            isolation_level="read_committed",
+            enable_auto_commit=False,
+            client_id=f"{self.group_id}-restore",
+        )
+        await consumer.start()
+        restored = 0
+        try:
+            tps = [TopicPartition(self.changelog, s) for s in slots]
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            end = await consumer.end_offsets(tps)
+            for s in slots:
+                self.cores[s] = self.spec.factory()
+            pending = {tp for tp in tps if end[tp] > 0}
+            while pending:
+                batch = await consumer.getmany(*pending, timeout_ms=500)
+                for tp, msgs in batch.items():
+                    for msg in msgs:
+                        key = msg.key.decode() if msg.key else ""
+                        if msg.value is not None:
+                            self.cores[tp.partition].restore(key, msg.value)
+                        restored += 1
+                for tp in list(pending):
+                    if await consumer.position(tp) >= end[tp]:
+                        pending.discard(tp)
+        finally:
+            await consumer.stop()
+        log.info("%s: restored %d state records for partitions %s in %.2fs",
+                 self.spec.name, restored, slots, time.monotonic() - started)
+
+    # -- topics -------------------------------------------------------------------------
+    async def _prepare_topics(self) -> None:
+        parts = 1 if self.spec.global_state else self.settings.topics.partitions
+        specs = [TopicSpec(self.changelog, parts, f"{self.spec.name} state changelog",
+                           "state key", retention_ms=-1, compacted=True,
+                           max_message_bytes=self.settings.topics.max_message_bytes)]
+        specs += self.topics.specs + list(self.spec.output_topics()) + self.spec.extra_topics
+        await ensure_topics(self.settings, specs)
+        self._known_topics.update(s.name for s in specs)
+
+    async def _ensure_output_topic(self, topic: str) -> None:
+        if topic in self._known_topics:
+            return
+        await ensure_topics(self.settings, [TopicSpec(
+            topic, self.settings.topics.partitions, "derived output", "episode",
+            max_message_bytes=self.settings.topics.max_message_bytes)])
+        self._known_topics.add(topic)
+
+    # -- main loop ----------------------------------------------------------------------
+    async def run(self, *, until_idle: float | None = None) -> None:
+        """Process until stopped (or until no input arrived for ``until_idle`` seconds)."""
+        await check_broker(self.settings.kafka)
+        await self._prepare_topics()
+        k = self.settings.kafka
+        self._producer = AIOKafkaProducer(**producer_options(
+            k, client_id=f"{self.group_id}-{self.worker_id}",
+            transactional_id=f"{self.group_id}.{self.worker_id}"))
+        self._consumer = AIOKafkaConsumer(
+            **connection_options(k),
+            group_id=self.group_id,
+            client_id=f"{self.group_id}-{self.worker_id}",
+            isolation_level="read_committed",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            max_poll_records=2000,
+            max_partition_fetch_bytes=k.max_request_size,
+            fetch_max_bytes=4 * k.max_request_size,
+        )
+        await self._producer.start()
+        await self._consumer.start()
+        self._consumer.subscribe(self.spec.input_topics, listener=_Rebalance(self))
+        ticker = asyncio.create_task(self._ticker())
+        idle_since = time.monotonic()
+        try:
+            while not self.stopping.is_set():
+                batch = await self._consumer.getmany(timeout_ms=200, max_records=2000)
+                if not batch:
+                    if until_idle is not None and time.monotonic() - idle_since > until_idle:
+                        break
+                    continue
+                idle_since = time.monotonic()
+                await self._process(batch)
+        finally:
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+            await self._consumer.stop()
+            await self._producer.stop()
+
+    async def _process(self, batch: dict[TopicPartition, list[Any]]) -> None:
+        assert self._producer is not None and self._consumer is not None
+        outs: list[OutRecord] = []
+        offsets: dict[TopicPartition, int] = {}
+        touched: set[int] = set()
+        started = time.perf_counter()
+        for tp, msgs in batch.items():
+            slot = self._slot(tp.partition)
+            core = self.cores.get(slot)
+            if core is None:  # assignment raced the listener; restore now
+                await self.restore([tp])
+                core = self.cores[slot]
+            touched.add(slot)
+            for msg in msgs:
+                rec = InRecord(tp.topic, tp.partition, msg.offset, msg.key, msg.value or b"",
+                               msg.timestamp)
+                outs.extend(core.handle(rec))
+                metrics.EVENTS_IN.labels(self.spec.name, tp.topic).inc()
+            offsets[tp] = msgs[-1].offset + 1
+        for out in outs:
+            await self._ensure_output_topic(out.topic)
+        async with self._producer.transaction():
+            futures = [await self._producer.send(o.topic, o.value, key=o.key,
+                                                 partition=o.partition) for o in outs]
+            for slot in touched:
+                for key, blob in self.cores[slot].take_dirty().items():
+                    futures.append(await self._producer.send(
+                        self.changelog, blob, key=key.encode(), partition=slot))
+            await self._producer.send_offsets_to_transaction(offsets, self.group_id)
+            if futures:
+                await asyncio.gather(*futures)
+        for out in outs:
+            metrics.EVENTS_OUT.labels(self.spec.name, out.topic).inc()
+        metrics.BATCH_SECONDS.labels(self.spec.name).observe(time.perf_counter() - started)
+        self.processed += sum(len(m) for m in batch.values())
+
+    async def _ticker(self) -> None:
+        """Publish Tick events into every partition of the first input topic, so time-driven
+        rules fire even when no traffic arrives, and the ticks are replayable from the log."""
+        interval = self.settings.scheduler.tick_interval_ms / 1000
+        topic = self.spec.input_topics[0]
+        producer = AIOKafkaProducer(**producer_options(
+            self.settings.kafka, client_id=f"{self.group_id}-{self.worker_id}-ticker"))
+        await producer.start()
+        try:
+            parts = sorted(await producer.partitions_for(topic))
+            seq = 0
+            while True:
+                await asyncio.sleep(interval)
+                now = int(time.time() * 1000)
+                for p in parts:
+                    tick = Tick(header=Envelope(task="_tick", sandbox="_tick", seq=seq,
+                                                event_time_ms=now,
+                                                producer_id=f"{self.group_id}.{self.worker_id}"))
+                    await producer.send(topic, tick.encode(), key=b"_tick", partition=p)
+                seq += 1
+        finally:
+            await producer.stop()
+
+
+async def describe_lag(settings: Settings, group_id: str, topics: list[str]) -> dict[str, int]:
+    """Consumer lag per topic for a group (for `trajbus status`)."""
+    admin = AIOKafkaAdminClient(**connection_options(settings.kafka))
+    await admin.start()
+    consumer = AIOKafkaConsumer(**connection_options(settings.kafka))
+    await consumer.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(group_id)
+        lag: dict[str, int] = {}
+        for topic in topics:
+            parts = consumer.partitions_for_topic(topic) or set()
+            tps = [TopicPartition(topic, p) for p in parts]
+            if not tps:
+                continue
+            ends = await consumer.end_offsets(tps)
+            lag[topic] = sum(
+                ends[tp] - (committed[tp].offset if tp in committed else 0) for tp in tps
+            )
+        return lag
+    finally:
+        await consumer.stop()
+        await admin.close()

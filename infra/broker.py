@@ -1,0 +1,736 @@
+"""A single-node Apache Kafka broker (KRaft, no ZooKeeper, no Docker) for development and tests.
+
+The broker runs from plain jars fetched from Maven Central by ``infra/kafka/pom.xml`` (see
+:func:`ensure_jars`); Java 17+ runs it and Maven fetches it on first use::
+
+    from trajbus.infra.broker import LocalBroker
+
+    broker = LocalBroker(data_dir="/tmp/kafka", port=19092)
+    broker.start()              # formats storage on first start, waits until the broker answers
+    print(broker.bootstrap)     # "127.0.0.1:19092"
+    broker.kill()               # SIGKILL, for crash tests; start() again keeps the data
+    broker.start()
+    broker.stop()               # SIGTERM (controlled shutdown), then SIGKILL after a timeout
+
+Layout of a data directory::
+
+    broker.json          ports and cluster id chosen at first start (reused on restart)
+    server.properties    rewritten at every start
+    broker.pid           pid of the running JVM
+    broker.out           the JVM's stdout/stderr (crashes, JVM errors)
+    logs/server.log      Kafka's own log (log4j2, see infra/kafka/log4j2.yaml)
+    kraft-logs/          partition data and the KRaft metadata log
+
+Environment: ``TRAJBUS_KAFKA_PORT`` and ``TRAJBUS_KAFKA_DATA_DIR`` override the default port
+(9092) and data directory (``.trajbus/kafka`` under the current directory);
+``TRAJBUS_KAFKA_LIB_DIR`` points at an existing directory of Kafka jars (for example the
+``libs/`` folder of a Kafka 4.x binary distribution) instead of fetching them.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+__all__ = [
+    "DEFAULT_MESSAGE_MAX_BYTES",
+    "DEFAULT_PORT",
+    "KAFKA_DIR",
+    "BrokerError",
+    "BrokerStatus",
+    "KafkaSetupError",
+    "LocalBroker",
+    "ensure_jars",
+    "free_port",
+    "kafka_version",
+    "probe_broker",
+]
+
+KAFKA_DIR = Path(__file__).resolve().parent / "kafka"
+POM_PATH = KAFKA_DIR / "pom.xml"
+LOG4J_CONFIG = KAFKA_DIR / "log4j2.yaml"
+DEFAULT_LIB_DIR = KAFKA_DIR / "lib"
+STAMP_NAME = ".trajbus-jars.stamp"
+
+DEFAULT_PORT = 9092
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_DATA_DIR = Path(".trajbus") / "kafka"
+#: Largest record batch the broker accepts (10 MiB; Kafka's default is ~1 MiB). Trajectory
+#: events carrying long token lists or observations can be large; producers must raise
+#: ``max_request_size`` to match (and consumers ``max_partition_fetch_bytes``).
+DEFAULT_MESSAGE_MAX_BYTES = 10 * 1024 * 1024
+MIN_JAVA = 17
+
+_BROKER_MAIN = "kafka.Kafka"
+_STORAGE_MAIN = "kafka.tools.StorageTool"
+
+
+class KafkaSetupError(RuntimeError):
+    """Java, Maven or the Kafka jars are missing or unusable."""
+
+
+class BrokerError(RuntimeError):
+    """The broker failed to start or stop, or its port is taken."""
+
+
+# --------------------------------------------------------------------------------------------
+# jars
+
+
+def kafka_version(pom: Path = POM_PATH) -> str:
+    """The Kafka version pinned in ``infra/kafka/pom.xml``."""
+    match = re.search(r"<kafka\.version>\s*([^<\s]+)\s*</kafka\.version>", pom.read_text())
+    if not match:
+        raise KafkaSetupError(f"no <kafka.version> property in {pom}")
+    return match.group(1)
+
+
+def _stamp_text(pom: Path) -> str:
+    digest = hashlib.sha256(pom.read_bytes()).hexdigest()
+    return f"kafka.version={kafka_version(pom)}\npom.sha256={digest}\n"
+
+
+def _jars_fresh(lib_dir: Path, pom: Path) -> bool:
+    stamp = lib_dir / STAMP_NAME
+    try:
+        return stamp.read_text() == _stamp_text(pom) and any(lib_dir.glob("kafka_2.13-*.jar"))
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _require_tool(name: str, what: str) -> str:
+    exe = shutil.which(name)
+    if exe is None:
+        raise KafkaSetupError(
+            f"`{name}` not found on PATH: {what}. Install a JDK 17+ and Apache Maven 3.6+ "
+            "(Debian/Ubuntu: `apt-get install openjdk-17-jdk-headless maven`; macOS: "
+            "`brew install openjdk@17 maven`), or set TRAJBUS_KAFKA_LIB_DIR to a directory of "
+            "Kafka 4.x jars (e.g. the libs/ folder of a Kafka binary distribution)."
+        )
+    return exe
+
+
+_java_major_cache: dict[str, int] = {}
+
+
+def _java_major(java: str) -> int:
+    if java not in _java_major_cache:
+        out = subprocess.run(
+            [java, "-version"], capture_output=True, text=True, check=False, timeout=60
+        )
+        match = re.search(r'version "(\d+)(?:\.(\d+))?', out.stderr + out.stdout)
+        major = 0
+        if match:
+            major = int(match.group(1))
+            if major == 1 and match.group(2):  # "1.8.0_x" style
+                major = int(match.group(2))
+        _java_major_cache[java] = major
+    return _java_major_cache[java]
+
+
+def _require_java() -> str:
+    java = _require_tool("java", "Java 17+ runs the Kafka broker")
+    major = _java_major(java)
+    if 0 < major < MIN_JAVA:
+        raise KafkaSetupError(
+            f"{java} is Java {major}; Kafka 4.x needs Java {MIN_JAVA}+ "
+            "(put a newer JDK first on PATH)."
+        )
+    return java
+
+
+def ensure_jars(lib_dir: Path | None = None, *, force: bool = False, quiet: bool = False) -> Path:
+    """Return a directory holding the Kafka runtime jars, fetching them if needed.
+
+    With ``TRAJBUS_KAFKA_LIB_DIR`` set (and no ``lib_dir`` argument) that directory is used
+    as is. Otherwise the jars live in ``infra/kafka/lib/``; they are (re)fetched with
+    ``mvn -f infra/kafka/pom.xml`` when missing, when the pom changed since the last fetch
+    (a stamp file records the Kafka version and the pom's hash), or when ``force`` is set.
+    Maven caches downloads in ``~/.m2``. Concurrent callers serialize on a file lock.
+    """
+    if lib_dir is None:
+        env_dir = os.environ.get("TRAJBUS_KAFKA_LIB_DIR")
+        if env_dir:
+            path = Path(env_dir).expanduser().resolve()
+            if not any(path.glob("kafka_2.13-*.jar")):
+                raise KafkaSetupError(f"TRAJBUS_KAFKA_LIB_DIR={env_dir} holds no kafka_2.13-*.jar")
+            return path
+        lib_dir = DEFAULT_LIB_DIR
+    lib_dir = Path(lib_dir).resolve()
+    if not force and _jars_fresh(lib_dir, POM_PATH):
+        return lib_dir
+
+    with _file_lock(lib_dir / ".fetch.lock"):
+        if not force and _jars_fresh(lib_dir, POM_PATH):  # another process just fetched
+            return lib_dir
+        mvn = _require_tool("mvn", "Maven fetches the Kafka jars from Maven Central")
+        _require_java()
+        staging = lib_dir / f".staging-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        if not quiet:
+            print(
+                f"fetching Kafka {kafka_version()} jars from Maven Central (first run only)...",
+                file=sys.stderr,
+                flush=True,
+            )
+        started = time.monotonic()
+        cmd = [mvn, "-q", "-B", "-f", str(POM_PATH), f"-DoutputDirectory={staging}", "package"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0 or not any(staging.glob("kafka_2.13-*.jar")):
+                tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
+                raise KafkaSetupError(
+                    f"fetching Kafka jars failed (exit {proc.returncode}): {' '.join(cmd)}\n"
+                    f"{tail}\n(is Maven Central reachable? proxies go in ~/.m2/settings.xml)"
+                )
+            for old in lib_dir.glob("*.jar"):
+                old.unlink()
+            for jar in staging.glob("*.jar"):
+                jar.replace(lib_dir / jar.name)
+            (lib_dir / STAMP_NAME).write_text(_stamp_text(POM_PATH))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        if not quiet:
+            print(
+                f"fetched Kafka jars into {lib_dir} in {time.monotonic() - started:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    return lib_dir
+
+
+# --------------------------------------------------------------------------------------------
+# small helpers
+
+
+def free_port(host: str = DEFAULT_HOST) -> int:
+    """A TCP port that is free right now on ``host`` (for tests; racy by nature)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # Kafka binds with SO_REUSEADDR too, so TIME_WAIT leftovers do not count as "in use".
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def _new_cluster_id() -> str:
+    """A random Kafka cluster id (base64url of 16 random bytes, as Uuid.randomUuid())."""
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        if not cid.startswith("-"):
+            return cid
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 64 * 1024))
+            text = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty)"
+
+
+def _pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc (macOS): trust kill(0)
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _pid_cmdline(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Kafka protocol probe (ApiVersions, then Metadata to see the broker registered and unfenced)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("connection closed by broker")
+        buf += chunk
+    return bytes(buf)
+
+
+def _request(sock: socket.socket, api_key: int, version: int, corr: int, body: bytes) -> bytes:
+    client_id = b"trajbus-probe"
+    header = struct.pack(">hhih", api_key, version, corr, len(client_id)) + client_id
+    payload = header + body
+    sock.sendall(struct.pack(">i", len(payload)) + payload)
+    (size,) = struct.unpack(">i", _recv_exact(sock, 4))
+    resp = _recv_exact(sock, size)
+    (resp_corr,) = struct.unpack(">i", resp[:4])
+    if resp_corr != corr:
+        raise ConnectionError("correlation id mismatch")
+    return resp[4:]
+
+
+def probe_broker(host: str, port: int, timeout: float = 2.0) -> int | None:
+    """Ask the broker at host:port for its live brokers using the Kafka wire protocol.
+
+    Returns the number of unfenced brokers in its Metadata response (0 while it is still
+    registering), or None if nothing answers the Kafka protocol there.
+    """
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            # ApiVersions v0: supported by every broker, tells us the Metadata version range.
+            resp = _request(sock, api_key=18, version=0, corr=1, body=b"")
+            (error,) = struct.unpack(">h", resp[:2])
+            if error != 0:
+                return None
+            (count,) = struct.unpack(">i", resp[2:6])
+            md_range: tuple[int, int] | None = None
+            for i in range(count):
+                key, lo, hi = struct.unpack(">hhh", resp[6 + 6 * i : 12 + 6 * i])
+                if key == 3:
+                    md_range = (lo, hi)
+            # Metadata v4..v8 share a non-flexible layout: throttle_time_ms, then brokers.
+            usable = [v for v in range(4, 9) if md_range and md_range[0] <= v <= md_range[1]]
+            if not usable:
+                return 1  # the broker answers; we cannot count brokers on this version
+            version = max(usable)
+            body = struct.pack(">i", -1) + b"\x00"  # all topics, no auto-creation
+            if version >= 8:
+                body += b"\x00\x00"  # include_cluster/topic_authorized_operations = false
+            resp = _request(sock, api_key=3, version=version, corr=2, body=body)
+            (brokers,) = struct.unpack(">i", resp[4:8])
+            return brokers
+    except (OSError, ConnectionError, struct.error):
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# the broker
+
+
+@dataclass(frozen=True)
+class BrokerStatus:
+    running: bool
+    pid: int | None
+    port: int
+    controller_port: int
+    bootstrap: str
+    data_dir: Path
+    log_file: Path
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "running": self.running,
+            "pid": self.pid,
+            "port": self.port,
+            "controller_port": self.controller_port,
+            "bootstrap": self.bootstrap,
+            "data_dir": str(self.data_dir),
+            "log_file": str(self.log_file),
+        }
+
+
+class LocalBroker:
+    """One single-node KRaft broker (combined broker+controller) in a data directory.
+
+    ``port``/``controller_port`` default to ``TRAJBUS_KAFKA_PORT`` or 9092 and port+1; once a
+    data directory has been started, its recorded ports are reused unless given explicitly
+    (the controller endpoint is part of the KRaft metadata, so it must not change).
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str] | None = None,
+        port: int | None = None,
+        controller_port: int | None = None,
+        *,
+        host: str = DEFAULT_HOST,
+        heap: str = "512m",
+        message_max_bytes: int = DEFAULT_MESSAGE_MAX_BYTES,
+        extra_properties: Mapping[str, str] | None = None,
+        lib_dir: Path | None = None,
+    ) -> None:
+        if data_dir is None:
+            data_dir = os.environ.get("TRAJBUS_KAFKA_DATA_DIR") or DEFAULT_DATA_DIR
+        self.data_dir = Path(data_dir).expanduser().resolve()
+        self.host = host
+        self.heap = heap
+        self.message_max_bytes = message_max_bytes
+        self.extra_properties = dict(extra_properties or {})
+        self._lib_dir = lib_dir
+        self._proc: subprocess.Popen[bytes] | None = None
+
+        meta = self._read_meta()
+        if port is None:
+            env_port = os.environ.get("TRAJBUS_KAFKA_PORT")
+            if env_port:
+                port = int(env_port)
+            elif "port" in meta:
+                port = int(meta["port"])
+            else:
+                port = DEFAULT_PORT
+        if controller_port is None:
+            controller_port = (
+                int(meta["controller_port"]) if "controller_port" in meta else port + 1
+            )
+        if port == controller_port:
+            raise ValueError("port and controller_port must differ")
+        self.port = port
+        self.controller_port = controller_port
+
+    # paths ----------------------------------------------------------------------------------
+    @property
+    def bootstrap(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def meta_file(self) -> Path:
+        return self.data_dir / "broker.json"
+
+    @property
+    def properties_file(self) -> Path:
+        return self.data_dir / "server.properties"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.data_dir / "broker.pid"
+
+    @property
+    def stdout_file(self) -> Path:
+        return self.data_dir / "broker.out"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.data_dir / "logs"
+
+    @property
+    def log_file(self) -> Path:
+        """Kafka's own log (server.log)."""
+        return self.logs_dir / "server.log"
+
+    @property
+    def kraft_dir(self) -> Path:
+        return self.data_dir / "kraft-logs"
+
+    def _read_meta(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.meta_file.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    # status ---------------------------------------------------------------------------------
+    def pid(self) -> int | None:
+        """Pid of this data directory's running broker, or None (stale pid files ignored)."""
+        if self._proc is not None and self._proc.poll() is not None:
+            self._proc = None  # reaped
+        try:
+            pid = int(self.pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        if not _pid_alive(pid):
+            return None
+        cmdline = _pid_cmdline(pid)
+        if cmdline is not None and (
+            _BROKER_MAIN not in cmdline or str(self.properties_file) not in cmdline
+        ):
+            return None  # pid reused by an unrelated process
+        return pid
+
+    def is_running(self) -> bool:
+        return self.pid() is not None
+
+    def status(self) -> BrokerStatus:
+        pid = self.pid()
+        return BrokerStatus(
+            running=pid is not None,
+            pid=pid,
+            port=self.port,
+            controller_port=self.controller_port,
+            bootstrap=self.bootstrap,
+            data_dir=self.data_dir,
+            log_file=self.log_file,
+        )
+
+    # start ----------------------------------------------------------------------------------
+    def server_properties(self) -> dict[str, str]:
+        mmb = str(self.message_max_bytes)
+        props = {
+            "process.roles": "broker,controller",
+            "node.id": "1",
+            "controller.quorum.bootstrap.servers": f"{self.host}:{self.controller_port}",
+            "listeners": (
+                f"PLAINTEXT://{self.host}:{self.port},CONTROLLER://{self.host}:{self.controller_port}"
+            ),
+            "advertised.listeners": f"PLAINTEXT://{self.host}:{self.port}",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "controller.listener.names": "CONTROLLER",
+            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "log.dirs": str(self.kraft_dir),
+            "num.partitions": "1",
+            "default.replication.factor": "1",
+            "min.insync.replicas": "1",
+            "auto.create.topics.enable": "false",
+            # Internal topics: one replica, and fewer partitions than the defaults (50) so the
+            # first consumer group / transaction on a fresh broker is quick.
+            "offsets.topic.replication.factor": "1",
+            "offsets.topic.num.partitions": "8",
+            "transaction.state.log.replication.factor": "1",
+            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.num.partitions": "8",
+            "share.coordinator.state.topic.replication.factor": "1",
+            "share.coordinator.state.topic.min.isr": "1",
+            "group.initial.rebalance.delay.ms": "0",
+            # After a SIGKILL the restarted broker must wait for its old registration to
+            # expire; a shorter session (default 9 s) makes crash-restart tests faster.
+            "broker.heartbeat.interval.ms": "1000",
+            "broker.session.timeout.ms": "4000",
+            # Large trajectory events: see DEFAULT_MESSAGE_MAX_BYTES.
+            "message.max.bytes": mmb,
+            "replica.fetch.max.bytes": mmb,
+            # Keep the compaction buffer (changelog topics) small for a 512 MiB heap.
+            "log.cleaner.dedupe.buffer.size": str(32 * 1024 * 1024),
+            "num.network.threads": "2",
+            "num.io.threads": "4",
+        }
+        props.update(self.extra_properties)
+        return props
+
+    def _write_properties(self) -> None:
+        lines = [f"# written by trajbus.infra.broker.LocalBroker at {time.ctime()}"]
+        lines += [f"{k}={v}" for k, v in self.server_properties().items()]
+        self.properties_file.write_text("\n".join(lines) + "\n")
+
+    def _java_cmd(self, lib_dir: Path, main: str, *args: str) -> list[str]:
+        return [
+            _require_java(),
+            f"-Xmx{self.heap}",
+            "-Xms128m",
+            "-XX:+UseG1GC",
+            "-XX:MaxGCPauseMillis=20",
+            "-XX:+ExitOnOutOfMemoryError",
+            "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
+            f"-Dkafka.logs.dir={self.logs_dir}",
+            "-cp",
+            f"{lib_dir}/*",
+            main,
+            *args,
+        ]
+
+    def _formatted(self) -> bool:
+        return (self.kraft_dir / "meta.properties").exists()
+
+    def _format(self, lib_dir: Path, cluster_id: str) -> None:
+        cmd = self._java_cmd(
+            lib_dir,
+            _STORAGE_MAIN,
+            "format",
+            "--standalone",
+            "-t",
+            cluster_id,
+            "-c",
+            str(self.properties_file),
+        )
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
+        if proc.returncode != 0 or not self._formatted():
+            raise BrokerError(
+                f"formatting Kafka storage in {self.kraft_dir} failed "
+                f"(exit {proc.returncode}):\n{(proc.stdout + proc.stderr).strip()[-4000:]}"
+            )
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start the broker (formatting storage on first use) and wait until it answers.
+
+        Idempotent: if this data directory's broker is already running, only waits for it.
+        Raises BrokerError (with the tail of the broker log) if it does not come up in time.
+        """
+        existing = self.pid()
+        if existing is not None:
+            self.wait_ready(timeout, pid=existing)
+            return
+        for what, port in (("port", self.port), ("controller port", self.controller_port)):
+            if not _port_free(self.host, port):
+                raise BrokerError(
+                    f"{what} {self.host}:{port} is already in use by another process "
+                    f"(not the broker of {self.data_dir}); pick another with --port / "
+                    "TRAJBUS_KAFKA_PORT, or stop whatever listens there "
+                    f"(e.g. `ss -ltnp 'sport = :{port}'`)."
+                )
+        lib_dir = ensure_jars(self._lib_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.logs_dir.mkdir(exist_ok=True)
+
+        meta = self._read_meta()
+        cluster_id = str(meta.get("cluster_id") or _new_cluster_id())
+        self._write_properties()
+        if not self._formatted():
+            self._format(lib_dir, cluster_id)
+        self.meta_file.write_text(
+            json.dumps(
+                {
+                    "cluster_id": cluster_id,
+                    "port": self.port,
+                    "controller_port": self.controller_port,
+                    "kafka_version": kafka_version(),
+                },
+                indent=2,
+            )
+        )
+
+        cmd = self._java_cmd(lib_dir, _BROKER_MAIN, str(self.properties_file))
+        with open(self.stdout_file, "ab") as out:
+            out.write(f"\n=== {time.ctime()} starting: {' '.join(cmd)}\n".encode())
+            out.flush()
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.data_dir,
+                start_new_session=True,  # own process group: survives the caller's Ctrl-C
+            )
+        self.pid_file.write_text(f"{self._proc.pid}\n")
+        try:
+            self.wait_ready(timeout, pid=self._proc.pid)
+        except BaseException:
+            self._terminate(self._proc.pid, 10.0)
+            self.pid_file.unlink(missing_ok=True)
+            raise
+
+    def wait_ready(self, timeout: float = 60.0, *, pid: int | None = None) -> None:
+        """Wait until the broker answers Metadata with itself registered (unfenced)."""
+        deadline = time.monotonic() + timeout
+        pid = pid if pid is not None else self.pid()
+        while True:
+            if probe_broker(self.host, self.port, timeout=2.0):
+                return
+            if pid is None or not self._alive(pid):
+                raise BrokerError(self._failure("exited during startup"))
+            if time.monotonic() >= deadline:
+                raise BrokerError(self._failure(f"did not answer within {timeout:.0f} s"))
+            time.sleep(0.2)
+
+    def _alive(self, pid: int) -> bool:
+        if self._proc is not None and self._proc.pid == pid:
+            return self._proc.poll() is None
+        return _pid_alive(pid)
+
+    def _failure(self, what: str) -> str:
+        parts = [f"Kafka broker at {self.bootstrap} ({self.data_dir}) {what}."]
+        parts.append(f"--- last lines of {self.log_file} ---\n{_tail(self.log_file)}")
+        parts.append(f"--- last lines of {self.stdout_file} ---\n{_tail(self.stdout_file)}")
+        return "\n".join(parts)
+
+    # stop -----------------------------------------------------------------------------------
+    def _wait_gone(self, pid: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._proc is not None and self._proc.pid == pid:
+                try:
+                    self._proc.wait(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+                    self._proc = None
+                    return True
+                except subprocess.TimeoutExpired:
+                    pass
+            elif not _pid_alive(pid):
+                return True
+            else:
+                time.sleep(0.1)
+            if time.monotonic() >= deadline:
+                return False
+
+    def _terminate(self, pid: int, timeout: float) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        if not self._wait_gone(pid, timeout):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            if not self._wait_gone(pid, 10.0):
+                raise BrokerError(f"broker pid {pid} survived SIGKILL")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Controlled shutdown: SIGTERM the pid in the pid file, SIGKILL after ``timeout``."""
+        pid = self.pid()
+        if pid is not None:
+            self._terminate(pid, timeout)
+        self.pid_file.unlink(missing_ok=True)
+
+    def kill(self) -> None:
+        """SIGKILL the broker at once (crash simulation). The data directory stays usable:
+        ``start()`` recovers the logs. The stale pid file is left behind, as after a crash."""
+        pid = self.pid()
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        if not self._wait_gone(pid, 10.0):
+            raise BrokerError(f"broker pid {pid} survived SIGKILL")
+
+    def restart(self, timeout: float = 60.0) -> None:
+        self.stop()
+        self.start(timeout)
+
+    def __enter__(self) -> LocalBroker:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"LocalBroker(data_dir={str(self.data_dir)!r}, port={self.port})"

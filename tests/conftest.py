@@ -1,0 +1,83 @@
+"""Shared pytest fixtures.
+
+- ``kafka_broker`` (session): a real single-node Kafka broker on a free port, data under
+  pytest's tmp dir, stopped at the end of the session. Set ``TRAJBUS_TEST_BOOTSTRAP`` to
+  ``host:port[,host:port...]`` to run against an existing cluster instead (then
+  ``kafka_broker.broker`` is None and crash tests skip).
+- ``unique_name`` (function): a fresh topic/group name, ``t-<test name>-<8 hex>``.
+- ``s3_server`` (session): moto's S3-compatible server on 127.0.0.1; yields the endpoint URL
+  and sets dummy AWS credentials for the session (restored afterwards).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from trajbus.infra.broker import KafkaSetupError, LocalBroker, free_port
+
+
+@dataclass
+class KafkaHandle:
+    """What ``kafka_broker`` yields."""
+
+    bootstrap: str  # "127.0.0.1:PORT" (comma-separated for an external cluster)
+    broker: LocalBroker | None  # None when TRAJBUS_TEST_BOOTSTRAP points at an external one
+
+    def require_local(self) -> LocalBroker:
+        """The LocalBroker, or skip the test (crash tests cannot kill an external cluster)."""
+        if self.broker is None:
+            pytest.skip("needs the test-managed local broker (TRAJBUS_TEST_BOOTSTRAP is set)")
+        return self.broker
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaHandle]:
+    external = os.environ.get("TRAJBUS_TEST_BOOTSTRAP")
+    if external:
+        yield KafkaHandle(bootstrap=external, broker=None)
+        return
+    broker = LocalBroker(
+        data_dir=tmp_path_factory.mktemp("kafka"),
+        port=free_port(),
+        controller_port=free_port(),
+    )
+    try:
+        broker.start(timeout=90)
+    except KafkaSetupError as exc:  # no java/mvn on this machine: an environment problem
+        pytest.skip(f"cannot run a local Kafka broker: {exc}")
+    try:
+        yield KafkaHandle(bootstrap=broker.bootstrap, broker=broker)
+    finally:
+        broker.stop(timeout=30)
+
+
+@pytest.fixture
+def unique_name(request: pytest.FixtureRequest) -> str:
+    """A fresh, Kafka-legal topic/group name derived from the test's name."""
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", request.node.name).strip("-")[:80]
+    return f"t-{base}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """Endpoint URL of a moto S3 server (``http://127.0.0.1:PORT``) with dummy credentials."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+            mp.setenv(var, "testing")
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        mp.delenv("AWS_PROFILE", raising=False)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.stop()

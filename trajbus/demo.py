@@ -1,0 +1,137 @@
+"""`trajbus demo`: the main job on the embedded default (local broker, local archive dir).
+
+It starts the local broker (unless one is already running, which it then leaves alone),
+creates the topics, publishes events of every kind, consumes them back decoded through Kafka
+and prints a per-kind count table. It stops the broker it started unless `--keep`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections import Counter
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from trajbus.bus.settings import KafkaSettings, Settings
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="run the main job end to end on a local broker and print what flowed",
+        description="Start a local Kafka broker (or use the running one), create the topics, "
+        "publish events of every kind through the shared idempotent producer, consume them "
+        "back decoded and print a count per kind. The broker it started is stopped at the "
+        "end unless --keep.",
+    )
+    p.add_argument("--keep", action="store_true",
+                   help="leave the broker running afterwards (stop it with `trajbus kafka down`)")
+    p.add_argument("--events-per-kind", type=int, default=200, metavar="N",
+                   help="events to publish per kind (default 200)")
+    p.add_argument("--bootstrap", default=None,
+                   help="use this existing Kafka instead of the local broker")
+    p.set_defaults(func=run_demo)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from trajbus.infra.broker import LocalBroker
+
+    broker = None
+    bootstrap = args.bootstrap
+    if bootstrap is None:
+        broker = LocalBroker()
+        already = broker.is_running()
+        _say(f"local Kafka broker: {'already running' if already else 'starting'} "
+             f"on {broker.bootstrap}")
+        broker.start(timeout=120)
+        bootstrap = broker.bootstrap
+        if already:
+            broker = None  # not ours to stop
+    settings = Settings(kafka=KafkaSettings(bootstrap_servers=bootstrap))
+    try:
+        counts, elapsed = asyncio.run(_publish_and_consume(settings, args.events_per_kind))
+    finally:
+        if broker is not None and not args.keep:
+            _say("stopping the broker this demo started")
+            broker.stop()
+        elif broker is not None:
+            _say(f"broker left running on {bootstrap}; stop it with: trajbus kafka down")
+    _print_table(counts, elapsed)
+    return 0 if counts and all(sent == got for sent, got in counts.values()) else 1
+
+
+async def _publish_and_consume(
+    settings: Settings, per_kind: int
+) -> tuple[dict[str, tuple[int, int]], float]:
+    from trajbus.bus.admin import ensure_base_topics, register_schemas
+    from trajbus.bus.producer import close_producer, get_producer
+    from trajbus.bus.topics import Topics
+    from trajbus.schemas.codec import default_codec
+    from trajbus.schemas.models import EVENT_MODELS, Envelope
+    from trajbus.schemas.samples import sample_event
+
+    topics = Topics(settings)
+    created, _ = await ensure_base_topics(settings, ["demo"])
+    _say(f"topics ready ({len(created)} created)")
+    await register_schemas(settings)
+    topic = topics.sandbox_events
+    # One consumer, positioned before we publish, reads exactly this run's events back.
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka.bootstrap_servers,
+                                enable_auto_commit=False)
+    await consumer.start()
+    producer = await get_producer(settings.kafka)
+    tps = [TopicPartition(topic, p) for p in sorted(await producer.partitions_for(topic))]
+    consumer.assign(tps)
+    start_offsets = await consumer.end_offsets(tps)
+
+    run = f"{int(time.time())}"
+    sent: Counter[str] = Counter()
+    started = time.perf_counter()
+    futures = []
+    for kind in sorted(EVENT_MODELS):
+        for i in range(per_kind):
+            header = Envelope(task="demo", sandbox=f"demo-{run}-{i % 10}",
+                              episode=f"ep-{i % 7}", seq=i, producer_id="demo")
+            futures.append(await producer.send(topic, sample_event(kind, header, i).encode(),
+                                               key=header.sandbox.encode()))
+            sent[kind] += 1
+    await asyncio.gather(*futures)
+    await close_producer()
+    _say(f"published {sum(sent.values())} events of {len(sent)} kinds")
+
+    got: Counter[str] = Counter()
+    try:
+        for tp in tps:
+            consumer.seek(tp, start_offsets[tp])
+        deadline = time.monotonic() + 60
+        codec = default_codec()
+        while sum(got.values()) < sum(sent.values()) and time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=500)
+            for msgs in batch.values():
+                for msg in msgs:
+                    decoded = codec.decode(msg.value)
+                    if decoded.header["sandbox"].startswith(f"demo-{run}-"):
+                        got[decoded.kind] += 1
+    finally:
+        await consumer.stop()
+    return {k: (sent[k], got[k]) for k in sorted(sent)}, time.perf_counter() - started
+
+
+def _print_table(counts: dict[str, tuple[int, int]], elapsed: float) -> None:
+    print()
+    print(f"{'event kind':22} {'published':>10} {'consumed':>10}")
+    print("-" * 44)
+    for kind, (sent, got) in counts.items():
+        flag = "" if sent == got else "   <-- MISMATCH"
+        print(f"{kind:22} {sent:>10} {got:>10}{flag}")
+    print("-" * 44)
+    total_s = sum(s for s, _ in counts.values())
+    total_g = sum(g for _, g in counts.values())
+    print(f"{'total':22} {total_s:>10} {total_g:>10}   ({elapsed:.1f}s round trip)")
+
+
+def _say(msg: str) -> None:
+    print(f"[demo] {msg}", file=sys.stderr, flush=True)
