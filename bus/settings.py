@@ -78,12 +78,21 @@ class SchedulerSettings(BaseModel):
     tenant_default_credit_cpu: float = 64.0
     tenant_burst_factor: float = 1.5
     tenant_burst_max_ms: int = 60_000
+    node_stale_ms: int = 10_000
+    lease_warning_ms: int = 60_000
 
 
 class ReplaySettings(BaseModel):
     gap_timeout_ms: int = 5_000
     max_buffered_per_episode: int = 10_000
     max_buffered_total: int = 2_000_000
+    max_buffered_bytes_per_episode: int = 4 * 1024 * 1024  # keeps a changelog record < 8 MiB
+    max_segment_events: int = 1024
+    max_segment_bytes: int = 4 * 1024 * 1024
+    dedupe_window: int = 64  # recent seqs per episode whose content is compared
+    tombstone_ttl_ms: int = 300_000  # closed episodes remembered for late duplicates
+    idle_timeout_ms: int | None = 1_800_000  # an episode silent this long ends truncated
+    recycle_grace_ms: int | None = None  # default: gap_timeout_ms
 
 
 class ArchiveSettings(BaseModel):

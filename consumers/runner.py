@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from trajbus.consumers import metrics
 from trajbus.schemas.models import Envelope, Tick
 
 log = logging.getLogger("trajbus.runner")
+TICK_KEY = b"_tick"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,7 @@ class ProcessorSpec:
     factory: Callable[[], Processor]
     output_topics: Callable[[], Iterable[TopicSpec]] = lambda: ()
     global_state: bool = False  # True: one core for every partition (requires one worker)
+    input_pattern: str | None = None  # also consume topics matching this regex
     extra_topics: list[TopicSpec] = field(default_factory=list)
 
 
@@ -118,6 +121,7 @@ class Runner:
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
         self._known_topics: set[str] = set()
+        self._lock = asyncio.Lock()
 
     # -- state --------------------------------------------------------------------------
     def _slot(self, partition: int) -> int:
@@ -130,6 +134,10 @@ class Runner:
 
     async def restore(self, assigned: Iterable[TopicPartition]) -> None:
         """Rebuild the cores of newly assigned partitions from the committed changelog."""
+        async with self._lock:  # never while a batch is being processed
+            await self._restore(assigned)
+
+    async def _restore(self, assigned: Iterable[TopicPartition]) -> None:
         slots = sorted({self._slot(tp.partition) for tp in assigned} - set(self.cores))
         if not slots:
             return
@@ -147,8 +155,7 @@ class Runner:
             consumer.assign(tps)
             await consumer.seek_to_beginning(*tps)
             end = await consumer.end_offsets(tps)
-            for s in slots:
-                self.cores[s] = self.spec.factory()
+            fresh = {s: self.spec.factory() for s in slots}
             pending = {tp for tp in tps if end[tp] > 0}
             while pending:
                 batch = await consumer.getmany(*pending, timeout_ms=500)
@@ -156,13 +163,14 @@ class Runner:
                     for msg in msgs:
                         key = msg.key.decode() if msg.key else ""
                         if msg.value is not None:
-                            self.cores[tp.partition].restore(key, msg.value)
+                            fresh[tp.partition].restore(key, msg.value)
                         restored += 1
                 for tp in list(pending):
                     if await consumer.position(tp) >= end[tp]:
                         pending.discard(tp)
         finally:
             await consumer.stop()
+        self.cores.update(fresh)
         log.info("%s: restored %d state records for partitions %s in %.2fs",
                  self.spec.name, restored, slots, time.monotonic() - started)
 
@@ -206,7 +214,12 @@ class Runner:
         )
         await self._producer.start()
         await self._consumer.start()
-        self._consumer.subscribe(self.spec.input_topics, listener=_Rebalance(self))
+        if self.spec.input_pattern:
+            pattern = "|".join([self.spec.input_pattern] +
+                               [re.escape(t) + "$" for t in self.spec.input_topics])
+            self._consumer.subscribe(pattern=f"^(?:{pattern})", listener=_Rebalance(self))
+        else:
+            self._consumer.subscribe(self.spec.input_topics, listener=_Rebalance(self))
         ticker = asyncio.create_task(self._ticker())
         idle_since = time.monotonic()
         try:
@@ -216,7 +229,8 @@ class Runner:
                     if until_idle is not None and time.monotonic() - idle_since > until_idle:
                         break
                     continue
-                idle_since = time.monotonic()
+                if any(m.key != TICK_KEY for msgs in batch.values() for m in msgs):
+                    idle_since = time.monotonic()
                 await self._process(batch)
         finally:
             ticker.cancel()
@@ -226,6 +240,10 @@ class Runner:
             await self._producer.stop()
 
     async def _process(self, batch: dict[TopicPartition, list[Any]]) -> None:
+        async with self._lock:
+            await self._process_locked(batch)
+
+    async def _process_locked(self, batch: dict[TopicPartition, list[Any]]) -> None:
         assert self._producer is not None and self._consumer is not None
         outs: list[OutRecord] = []
         offsets: dict[TopicPartition, int] = {}
@@ -235,7 +253,7 @@ class Runner:
             slot = self._slot(tp.partition)
             core = self.cores.get(slot)
             if core is None:  # assignment raced the listener; restore now
-                await self.restore([tp])
+                await self._restore([tp])
                 core = self.cores[slot]
             touched.add(slot)
             for msg in msgs:
@@ -279,7 +297,7 @@ class Runner:
                     tick = Tick(header=Envelope(task="_tick", sandbox="_tick", seq=seq,
                                                 event_time_ms=now,
                                                 producer_id=f"{self.group_id}.{self.worker_id}"))
-                    await producer.send(topic, tick.encode(), key=b"_tick", partition=p)
+                    await producer.send(topic, tick.encode(), key=TICK_KEY, partition=p)
                 seq += 1
         finally:
             await producer.stop()

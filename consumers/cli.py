@@ -1,0 +1,134 @@
+"""CLI: `trajbus worker` (run processors) and `trajbus replay tail` (watch a replay topic)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from trajbus.bus.settings import Settings, get_settings
+
+PROCESSORS = ("reorder", "watchdog", "scheduler")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    w = sub.add_parser(
+        "worker",
+        help="run stream processors (reorder, watchdog, scheduler)",
+        description="Run one or several processors as Kafka consumer-group members. Each "
+        "consumes its inputs, feeds a pure core and commits outputs, state changelog and "
+        "offsets in one Kafka transaction, so a killed worker resumes with nothing lost and "
+        "nothing duplicated. Start several workers with distinct --worker-id values to share "
+        "partitions (the scheduler is global: run it in one worker only).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    w.add_argument("--processors", default=",".join(PROCESSORS),
+                   help=f"comma-separated subset of {', '.join(PROCESSORS)} (default: all)")
+    w.add_argument("--worker-id", default=os.environ.get("TRAJBUS_WORKER_ID", "w0"),
+                   help="stable id of this worker; also its transactional id suffix, so a "
+                   "restarted worker fences its previous incarnation (default w0)")
+    w.add_argument("--until-idle", type=float, default=None, metavar="SECONDS",
+                   help="exit after no input for this long (for batch runs and tests)")
+    w.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port")
+    w.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    w.set_defaults(func=_worker)
+
+    r = sub.add_parser("replay", help="trainer-side replay: tail a task's replay topic",
+                       description="Commands for ordered episode replay.")
+    rsub = r.add_subparsers(dest="replay_command", metavar="ACTION")
+    r.set_defaults(help_parser=r)
+    t = rsub.add_parser(
+        "tail",
+        help="print replay segments of a task as they arrive",
+        description="Subscribe to trajbus.replay.TASK like a trainer would (the ReplayClient: "
+        "ordered, deduplicated, committed after acknowledgement) and print each segment.",
+    )
+    t.add_argument("--task", required=True, action="append", help="task to follow (repeatable)")
+    t.add_argument("--group", default=None,
+                   help="consumer group (default: a fresh one, reading from the beginning)")
+    t.add_argument("--json", action="store_true", help="one JSON object per segment")
+    t.add_argument("--idle-exit", type=float, default=None, metavar="SECONDS",
+                   help="exit after no data for this long")
+    t.set_defaults(func=_replay_tail)
+    register_replay_more(rsub)
+
+
+def register_replay_more(rsub: argparse._SubParsersAction) -> None:
+    """Operators' replay subcommands (events, explain, republish) join here as they land."""
+
+
+def build_specs(settings: Settings, names: list[str]) -> list[Any]:
+    from trajbus.consumers import processors
+
+    specs = []
+    for name in names:
+        factory = getattr(processors, f"{name}_spec", None)
+        if factory is None:
+            raise ValueError(f"unknown processor {name!r}; choose from {', '.join(PROCESSORS)}")
+        specs.append(factory(settings))
+    return specs
+
+
+async def run_workers(settings: Settings, names: list[str], worker_id: str,
+                      until_idle: float | None = None) -> dict[str, int]:
+    from trajbus.consumers.runner import Runner
+
+    runners = [Runner(settings, spec, worker_id) for spec in build_specs(settings, names)]
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, lambda: [r.stopping.set() for r in runners])
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    await asyncio.gather(*(r.run(until_idle=until_idle) for r in runners))
+    return {r.spec.name: r.processed for r in runners}
+
+
+def _worker(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    names = [n.strip() for n in args.processors.split(",") if n.strip()]
+    if args.metrics_port:
+        from trajbus.consumers.metrics import start_http_server
+
+        start_http_server(args.metrics_port, addr="127.0.0.1")
+    counts = asyncio.run(run_workers(get_settings(), names, args.worker_id, args.until_idle))
+    print(json.dumps({"processed": counts}), file=sys.stderr)
+    return 0
+
+
+def _replay_tail(args: argparse.Namespace) -> int:
+    import uuid
+
+    from trajbus.consumers.replay_client import ReplayClient
+
+    group = args.group or f"trajbus-tail-{uuid.uuid4().hex[:8]}"
+
+    async def run() -> None:
+        async with ReplayClient(args.task, group, get_settings()) as client:
+            async for seg in client.segments(idle_timeout=args.idle_exit):
+                if args.json:
+                    print(json.dumps({
+                        "task": seg.task, "sandbox": seg.sandbox, "episode": seg.episode,
+                        "segment": seg.index, "first_seq": seg.first_seq,
+                        "last_seq": seg.last_seq, "events": [e.kind for e in seg.events],
+                        "gap": seg.gap, "is_last": seg.is_last, "is_terminal": seg.is_terminal,
+                    }), flush=True)
+                else:
+                    flags = " ".join(f for f, on in (("FIRST", seg.is_first),
+                                                     ("LAST", seg.is_last),
+                                                     ("TRUNCATED", seg.truncated)) if on)
+                    gap = f" gap={seg.gap[0]}..{seg.gap[1]}" if seg.gap else ""
+                    print(f"{seg.task} {seg.sandbox}/{seg.episode} #{seg.index} "
+                          f"seq {seg.first_seq}..{seg.last_seq} ({len(seg.events)} events)"
+                          f"{gap} {flags}".rstrip(), flush=True)
+                await client.ack(seg)
+
+    asyncio.run(run())
+    return 0

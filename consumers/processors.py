@@ -1,0 +1,207 @@
+"""Adapters between the runner (Kafka records) and the pure cores (decoded events).
+
+Each adapter decodes a record once, routes undecodable bytes to the dead-letter topic with the
+reason (never dropping them, never crashing), feeds the core and encodes the core's outputs.
+The same adapters serve offline replay (`trajbus replay explain`), so live and replayed
+decisions come from identical code.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from trajbus.bus import deadletter
+from trajbus.bus.settings import Settings
+from trajbus.bus.topics import Topics, TopicSpec
+from trajbus.consumers import metrics
+from trajbus.consumers.runner import InRecord, OutRecord, ProcessorSpec
+from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
+
+
+class _Adapter:
+    """Common decode and dead-letter handling."""
+
+    stage = "processor"
+
+    def __init__(self, settings: Settings, codec: Codec | None = None) -> None:
+        self.settings = settings
+        self.topics = Topics(settings)
+        self.codec = codec or default_codec()
+        self.producer_id = f"trajbus.{self.stage}"
+
+    def decode(self, rec: InRecord, outs: list[OutRecord]) -> Decoded | None:
+        try:
+            return self.codec.decode(rec.value)
+        except DecodeError as exc:
+            outs.append(self.dead_letter(rec, exc.reason_code, str(exc)))
+            return None
+
+    def dead_letter(self, rec: InRecord, code: str, reason: str, *,
+                    value: bytes | None = None, header: dict[str, Any] | None = None
+                    ) -> OutRecord:
+        deadletter.count(self.stage, code)
+        metrics.DEAD_LETTERS.labels(self.stage, code).inc()
+        h = header or {}
+        event = deadletter.dead_letter_event(
+            stage=self.stage, reason_code=code, reason=reason, source_topic=rec.topic,
+            source_partition=rec.partition, source_offset=rec.offset, key=rec.key,
+            value=rec.value if value is None else value, producer_id=self.producer_id,
+            task=h.get("task") or "_unknown", sandbox=h.get("sandbox") or "_unknown",
+            episode=h.get("episode"), event_time_ms=h.get("event_time_ms") or rec.timestamp_ms,
+        )
+        return OutRecord(self.topics.deadletter, rec.key, event.encode())
+
+
+# -- reorder -----------------------------------------------------------------------------
+class ReorderProcessor(_Adapter):
+    """Raw sandbox events and trace chunks -> ordered replay segments per task."""
+
+    stage = "reorder"
+
+    def __init__(self, settings: Settings, codec: Codec | None = None) -> None:
+        from trajbus.consumers.reorder import ReorderCore
+
+        super().__init__(settings, codec)
+        self.core = ReorderCore(settings.replay)
+
+    def handle(self, rec: InRecord) -> list[OutRecord]:
+        from trajbus.consumers.reorder import InEvent
+
+        outs: list[OutRecord] = []
+        decoded = self.decode(rec, outs)
+        if decoded is None:
+            return outs
+        if decoded.kind == "Tick":
+            return self.tick(decoded.header["event_time_ms"])
+        if decoded.kind not in _REORDERED:
+            return outs
+        self._convert(self.core.handle(InEvent.from_decoded(decoded, rec.value)), outs, rec)
+        return outs
+
+    def tick(self, now_ms: int) -> list[OutRecord]:
+        outs: list[OutRecord] = []
+        self._convert(self.core.tick(now_ms), outs, None)
+        return outs
+
+    def _convert(self, results: list[Any], outs: list[OutRecord], rec: InRecord | None) -> None:
+        from trajbus.consumers.reorder import DeadLetterOut, LateOut, SegmentOut, segment_record
+
+        for r in results:
+            if isinstance(r, SegmentOut):
+                value = self.codec.encode("ReplaySegment", segment_record(r, self.producer_id))
+                outs.append(OutRecord(self.topics.replay(r.task), r.episode.encode(), value))
+            elif isinstance(r, LateOut):
+                metrics.LATE.inc()
+                outs.append(OutRecord(self.topics.late, r.episode.encode(), r.raw))
+            elif isinstance(r, DeadLetterOut):
+                src = rec or InRecord("_core", -1, -1, None, r.raw, 0)
+                reason = r.reason
+                if r.conflicting_with is not None:
+                    reason += f" (kept version: {r.conflicting_with.hex()[:400]})"
+                outs.append(self.dead_letter(src, r.reason_code, reason, value=r.raw, header={
+                    "task": r.task, "sandbox": r.sandbox, "episode": r.episode}))
+        c = self.core.counters()
+        metrics.REORDER_BUFFERED.set(c.get("buffered", 0))
+
+    def take_dirty(self) -> dict[str, bytes | None]:
+        return self.core.take_dirty()
+
+    def restore(self, key: str, blob: bytes) -> None:
+        self.core.restore(key, blob)
+
+
+_REORDERED = frozenset({
+    "EpisodeStart", "EpisodeEnd", "ToolCall", "ToolResult", "TraceChunk", "SandboxLifecycle",
+    "Drained", "Heartbeat", "LivenessProbe",
+})
+
+
+def reorder_spec(settings: Settings) -> ProcessorSpec:
+    topics = Topics(settings)
+    return ProcessorSpec(
+        name="reorder",
+        input_topics=topics.input_topics,
+        factory=lambda: ReorderProcessor(settings),
+        output_topics=lambda: [TopicSpec(topics.late, settings.topics.partitions, "late",
+                                         "episode")],
+    )
+
+
+# -- scheduler ---------------------------------------------------------------------------
+class SchedulerProcessor(_Adapter):
+    """Lifecycle, heartbeats, probes, requests, node reports, watchdog alerts and replay
+    acknowledgements -> scheduling decisions. Global: one instance sees every input."""
+
+    stage = "scheduler"
+    INPUT_KINDS = frozenset({
+        "SandboxLifecycle", "Heartbeat", "LivenessProbe", "NodeReport", "SandboxRequest",
+        "TrainerRelease", "Drained", "WatchdogAlert",
+    })
+
+    def __init__(self, settings: Settings, codec: Codec | None = None) -> None:
+        from trajbus.consumers.scheduler import SchedulerCore
+
+        super().__init__(settings, codec)
+        s = settings.scheduler
+        self.core = SchedulerCore(s, node_stale_ms=s.node_stale_ms,
+                                  lease_warning_ms=s.lease_warning_ms)
+
+    def handle(self, rec: InRecord) -> list[OutRecord]:
+        outs: list[OutRecord] = []
+        decoded = self.decode(rec, outs)
+        if decoded is None:
+            return outs
+        kind, record = decoded.kind, decoded.record
+        if kind == "Tick":
+            results = self.core.tick(record["header"]["event_time_ms"],
+                                     record["header"]["event_id"])
+        elif kind == "ReplaySegment":
+            if record["gap"] is not None or not record["events"]:
+                return outs  # only gap-free progress confirms delivery
+            h = record["header"]
+            results = self.core.handle("ReplayAck", {
+                "sandbox": h["sandbox"], "episode": h["episode"],
+                "last_seq": record["last_seq"], "event_time_ms": h["event_time_ms"],
+                "event_id": h["event_id"]})
+        elif kind in self.INPUT_KINDS:
+            results = self.core.handle(kind, record)
+        else:
+            return outs
+        self._convert(results, outs, rec, decoded.header)
+        return outs
+
+    def tick(self, now_ms: int) -> list[OutRecord]:
+        outs: list[OutRecord] = []
+        self._convert(self.core.tick(now_ms), outs, None, {})
+        return outs
+
+    def _convert(self, results: list[Any], outs: list[OutRecord], rec: InRecord | None,
+                 header: dict[str, Any]) -> None:
+        from trajbus.consumers.scheduler import DecisionOut
+
+        for r in results:
+            if isinstance(r, DecisionOut):
+                metrics.DECISIONS.labels(r.decision).inc()
+                event = r.to_model(self.producer_id)
+                outs.append(OutRecord(self.topics.decisions, event.header.sandbox.encode(),
+                                      event.encode()))
+            elif rec is not None:
+                outs.append(self.dead_letter(rec, r.reason_code, r.reason, header=header))
+
+    def take_dirty(self) -> dict[str, bytes | None]:
+        return self.core.take_dirty()
+
+    def restore(self, key: str, blob: bytes) -> None:
+        self.core.restore(key, blob)
+
+
+def scheduler_spec(settings: Settings) -> ProcessorSpec:
+    topics = Topics(settings)
+    return ProcessorSpec(
+        name="scheduler",
+        input_topics=[topics.control, topics.nodes, topics.sandbox_events, topics.alerts],
+        input_pattern=re.escape(f"{topics.prefix}.replay.") + r"(?!late$)[^.]+$",
+        factory=lambda: SchedulerProcessor(settings),
+        global_state=True,
+    )

@@ -1,0 +1,394 @@
+"""The trainer client: subscribe to replay topics and receive each episode in order, once.
+
+Guarantees
+----------
+* **Order**: segments of an episode arrive in sequence order (the reorder processor publishes
+  them keyed by episode, so one episode lives in one partition, in order).
+* **Once**: the client drops any event whose (sandbox, episode, seq) it has already delivered
+  (a re-derived or zombie-duplicated segment), trimming partly overlapping segments.
+* **Commit after acknowledgement**: a Kafka offset is committed only when the trainer has
+  acknowledged that segment *and every earlier one in the partition*. Offsets acknowledged
+  beyond that point are stored in the commit's metadata, so a trainer that crashes and
+  resumes sees neither a gap nor a second copy of what it acknowledged.
+* **Backpressure**: at most ``max_in_flight`` delivered-but-unacknowledged segments; the
+  iterator waits for acknowledgements instead of buffering without limit.
+
+Use :class:`ReplayClient` from asyncio, :class:`SyncReplayClient` from plain Python.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.structs import OffsetAndMetadata
+
+from trajbus.bus.kafka import check_broker, connection_options
+from trajbus.bus.settings import Settings, get_settings
+from trajbus.bus.topics import Topics
+from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
+
+_REMEMBERED = 200_000  # episodes whose delivery state the client keeps (bounded memory)
+_METADATA_LIMIT = 3500  # below Kafka's default offset.metadata.max.bytes (4096)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A contiguous run of one episode's events, decoded, in sequence order."""
+
+    task: str
+    sandbox: str
+    episode: str
+    index: int
+    first_seq: int
+    last_seq: int
+    events: list[Decoded]
+    gap: tuple[int, int] | None
+    is_first: bool
+    is_last: bool
+    is_terminal: bool
+    topic: str
+    partition: int
+    offset: int
+
+    @property
+    def truncated(self) -> bool:
+        return self.is_last and not self.is_terminal
+
+
+@dataclass
+class Episode:
+    """A whole episode assembled from its segments."""
+
+    task: str
+    sandbox: str
+    episode: str
+    events: list[Decoded] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    gaps: list[tuple[int, int]] = field(default_factory=list)
+    is_terminal: bool = False
+
+    @property
+    def truncated(self) -> bool:
+        return not self.is_terminal
+
+
+class _PartitionProgress:
+    """Which offsets of one partition are acknowledged; what may be committed."""
+
+    def __init__(self, committed: int, acked_beyond: Iterable[int] = ()) -> None:
+        self.committed = committed  # next offset to read after a restart
+        self.acked: set[int] = set(acked_beyond)
+
+    def ack(self, offset: int) -> None:
+        if offset >= self.committed:
+            self.acked.add(offset)
+
+    def skip_on_restart(self, offset: int) -> bool:
+        return offset in self.acked
+
+    def advance(self) -> bool:
+        """Move the commit point over contiguous acknowledged offsets. True when it moved."""
+        moved = False
+        while self.committed in self.acked:
+            self.acked.discard(self.committed)
+            self.committed += 1
+            moved = True
+        return moved
+
+    def metadata(self) -> str:
+        beyond = sorted(self.acked)
+        text = json.dumps(beyond)
+        while len(text) > _METADATA_LIMIT and beyond:  # keep the lowest; the rest re-delivers
+            beyond = beyond[: len(beyond) // 2]
+            text = json.dumps(beyond)
+        return text
+
+
+class ReplayClient:
+    """Async trainer client over ``trajbus.replay.<task>`` topics."""
+
+    def __init__(
+        self,
+        tasks: Iterable[str],
+        group_id: str,
+        settings: Settings | None = None,
+        *,
+        max_in_flight: int = 256,
+        drop_truncated: bool = False,
+        drop_gappy: bool = False,
+        max_staleness: int | None = None,
+        current_policy_version: Callable[[], int] | None = None,
+        codec: Codec | None = None,
+    ) -> None:
+        self.settings = settings or get_settings()
+        topics = Topics(self.settings)
+        self.topics = [topics.replay(t) for t in tasks]
+        self.group_id = group_id
+        self.max_in_flight = max_in_flight
+        self.drop_truncated = drop_truncated
+        self.drop_gappy = drop_gappy
+        self.max_staleness = max_staleness
+        self.current_policy_version = current_policy_version
+        self.codec = codec or default_codec()
+        self.stats = {"segments": 0, "events": 0, "duplicates_dropped": 0, "stale_dropped": 0,
+                      "skipped_already_acked": 0, "undecodable": 0}
+        self._consumer: AIOKafkaConsumer | None = None
+        self._progress: dict[TopicPartition, _PartitionProgress] = {}
+        self._delivered_hwm: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._finished: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._in_flight = 0
+        self._committed_at_start: dict[TopicPartition, OffsetAndMetadata] = {}
+        self._acked_event = asyncio.Event()
+
+    async def start(self) -> None:
+        await check_broker(self.settings.kafka)
+        await self._load_committed()
+        self._consumer = AIOKafkaConsumer(
+            *self.topics,
+            **connection_options(self.settings.kafka),
+            group_id=self.group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            isolation_level="read_committed",
+            max_partition_fetch_bytes=self.settings.kafka.max_request_size,
+        )
+        await self._consumer.start()
+
+    async def stop(self) -> None:
+        if self._consumer is not None:
+            await self._commit()
+            await self._consumer.stop()
+            self._consumer = None
+
+    async def __aenter__(self) -> ReplayClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- iteration ----------------------------------------------------------------------
+    async def segments(self, idle_timeout: float | None = None) -> AsyncIterator[Segment]:
+        """Yield segments as they arrive. Stops after ``idle_timeout`` seconds without data
+        (None: run forever). Acknowledge each with :meth:`ack`."""
+        assert self._consumer is not None, "call start() first"
+        loop = asyncio.get_running_loop()
+        idle_since = loop.time()
+        while True:
+            while self._in_flight >= self.max_in_flight:
+                self._acked_event.clear()
+                await self._acked_event.wait()
+            batch = await self._consumer.getmany(
+                timeout_ms=200, max_records=self.max_in_flight - self._in_flight)
+            if not batch:
+                if idle_timeout is not None and loop.time() - idle_since > idle_timeout:
+                    return
+                continue
+            idle_since = loop.time()
+            for tp, msgs in batch.items():
+                progress = await self._progress_for(tp)
+                for msg in msgs:
+                    if progress.skip_on_restart(msg.offset):
+                        self.stats["skipped_already_acked"] += 1
+                        continue
+                    seg = self._to_segment(tp, msg.offset, msg.value)
+                    if seg is None:
+                        progress.ack(msg.offset)  # nothing new in it: consumed
+                        continue
+                    self._in_flight += 1
+                    self.stats["segments"] += 1
+                    self.stats["events"] += len(seg.events)
+                    yield seg
+            await self._maybe_commit()
+
+    async def episodes(self, idle_timeout: float | None = None) -> AsyncIterator[Episode]:
+        """Yield whole episodes once their last segment arrived. Acknowledge with :meth:`ack`."""
+        open_eps: dict[tuple[str, str], Episode] = {}
+        async for seg in self.segments(idle_timeout):
+            key = (seg.sandbox, seg.episode)
+            ep = open_eps.setdefault(key, Episode(seg.task, seg.sandbox, seg.episode))
+            ep.segments.append(seg)
+            ep.events.extend(seg.events)
+            if seg.gap:
+                ep.gaps.append(seg.gap)
+            if seg.is_last:
+                ep.is_terminal = seg.is_terminal
+                del open_eps[key]
+                if (self.drop_truncated and ep.truncated) or (self.drop_gappy and ep.gaps):
+                    await self.ack(ep)
+                    continue
+                yield ep
+
+    async def ack(self, item: Segment | Episode) -> None:
+        """The trainer has consumed this segment (or every segment of this episode)."""
+        segs = item.segments if isinstance(item, Episode) else [item]
+        for seg in segs:
+            self._progress[TopicPartition(seg.topic, seg.partition)].ack(seg.offset)
+            self._in_flight -= 1
+        self._acked_event.set()
+        await self._maybe_commit()
+
+    # -- internals ----------------------------------------------------------------------
+    async def _progress_for(self, tp: TopicPartition) -> _PartitionProgress:
+        progress = self._progress.get(tp)
+        if progress is None:
+            assert self._consumer is not None
+            committed = await self._consumer.committed(tp)
+            beyond: list[int] = []
+            om = self._committed_at_start.get(tp)
+            if om is not None and om.metadata and committed == om.offset:
+                try:
+                    beyond = [int(x) for x in json.loads(om.metadata)]
+                except (ValueError, TypeError):
+                    beyond = []
+            start = committed if committed is not None else 0
+            progress = self._progress[tp] = _PartitionProgress(start, beyond)
+        return progress
+
+    async def _load_committed(self) -> None:
+        """The group's committed offsets with their metadata (acknowledged-beyond offsets)."""
+        from aiokafka.admin import AIOKafkaAdminClient
+        from aiokafka.errors import KafkaError
+
+        admin = AIOKafkaAdminClient(**connection_options(self.settings.kafka))
+        await admin.start()
+        try:
+            for attempt in range(60):  # the coordinator is briefly unavailable on a new cluster
+                try:
+                    self._committed_at_start = await admin.list_consumer_group_offsets(
+                        self.group_id)
+                    return
+                except KafkaError as exc:
+                    if not getattr(exc, "retriable", False) or attempt == 59:
+                        raise
+                    await asyncio.sleep(0.5)
+        finally:
+            await admin.close()
+
+    def _to_segment(self, tp: TopicPartition, offset: int, value: bytes) -> Segment | None:
+        try:
+            decoded = self.codec.decode(value)
+        except DecodeError:
+            self.stats["undecodable"] += 1
+            return None
+        rec = decoded.record
+        h = rec["header"]
+        key = (h["sandbox"], h["episode"] or "")
+        if key in self._finished:  # a re-derived copy of an episode already delivered whole
+            self.stats["duplicates_dropped"] += len(rec["events"])
+            return None
+        hwm = self._delivered_hwm.get(key, -1)
+        events: list[Decoded] = []
+        for raw in rec["events"]:
+            try:
+                ev = self.codec.decode(raw)
+            except DecodeError:
+                self.stats["undecodable"] += 1
+                continue
+            seq = ev.record["header"]["seq"]
+            if seq <= hwm:
+                self.stats["duplicates_dropped"] += 1
+                continue
+            events.append(ev)
+            hwm = seq
+        if not events and not rec["is_last"] and rec["gap"] is None:
+            return None
+        if self._too_stale(events):
+            self.stats["stale_dropped"] += len(events)
+            events = []
+        self._delivered_hwm[key] = max(hwm, rec["last_seq"])
+        self._delivered_hwm.move_to_end(key)
+        while len(self._delivered_hwm) > _REMEMBERED:  # bounded memory: forget the oldest
+            self._delivered_hwm.popitem(last=False)
+        if rec["is_last"]:
+            self._delivered_hwm.pop(key, None)
+            self._finished[key] = None
+            while len(self._finished) > _REMEMBERED:
+                self._finished.popitem(last=False)
+        gap = rec["gap"]
+        return Segment(
+            task=h["task"], sandbox=h["sandbox"], episode=h["episode"] or "", index=h["seq"],
+            first_seq=events[0].record["header"]["seq"] if events else rec["first_seq"],
+            last_seq=rec["last_seq"], events=events,
+            gap=(gap["from_seq"], gap["to_seq"]) if gap else None,
+            is_first=rec["is_first"], is_last=rec["is_last"], is_terminal=rec["is_terminal"],
+            topic=tp.topic, partition=tp.partition, offset=offset,
+        )
+
+    def _too_stale(self, events: list[Decoded]) -> bool:
+        if self.max_staleness is None or self.current_policy_version is None or not events:
+            return False
+        version = events[0].record["header"].get("policy_version")
+        if version is None:
+            return False
+        return bool(self.current_policy_version() - version > self.max_staleness)
+
+    async def _maybe_commit(self) -> None:
+        if any([p.advance() for p in self._progress.values()]):
+            await self._commit()
+
+    async def _commit(self) -> None:
+        if self._consumer is None or not self._progress:
+            return
+        offsets = {tp: OffsetAndMetadata(p.committed, p.metadata())
+                   for tp, p in self._progress.items()}
+        await self._consumer.commit(offsets)
+
+
+class SyncReplayClient:
+    """Blocking wrapper for trainers that are not asyncio programs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._client: ReplayClient = self._run(_build(args, kwargs))
+        self._run(self._client.start())
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def segments(self, idle_timeout: float | None = None) -> Iterator[Segment]:
+        agen = self._client.segments(idle_timeout)
+        while True:
+            try:
+                yield self._run(agen.__anext__())
+            except StopAsyncIteration:
+                return
+
+    def episodes(self, idle_timeout: float | None = None) -> Iterator[Episode]:
+        agen = self._client.episodes(idle_timeout)
+        while True:
+            try:
+                yield self._run(agen.__anext__())
+            except StopAsyncIteration:
+                return
+
+    def ack(self, item: Segment | Episode) -> None:
+        self._run(self._client.ack(item))
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self._client.stats
+
+    def close(self) -> None:
+        self._run(self._client.stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> SyncReplayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _build(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ReplayClient:
+    return ReplayClient(*args, **kwargs)  # built on the client's loop (asyncio.Event binding)
