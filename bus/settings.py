@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -63,6 +63,8 @@ class WatchdogSettings(BaseModel):
     )
     stall_after_ms: int = 600_000
     dry_run: bool = False
+    # Per-task overrides of the fields above, e.g. {"browser": {"loop_min_repeats": 40}}.
+    per_task: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
 class SchedulerSettings(BaseModel):

@@ -205,3 +205,63 @@ def scheduler_spec(settings: Settings) -> ProcessorSpec:
         factory=lambda: SchedulerProcessor(settings),
         global_state=True,
     )
+
+
+# -- watchdog ----------------------------------------------------------------------------
+class WatchdogProcessor(_Adapter):
+    """Tool calls and results -> loop and stall alerts (+ TERMINATE decisions unless dry run)."""
+
+    stage = "watchdog"
+
+    def __init__(self, settings: Settings, codec: Codec | None = None) -> None:
+        from trajbus.consumers.watchdog import WatchdogCore
+
+        super().__init__(settings, codec)
+        self.core = WatchdogCore(settings.watchdog, settings.watchdog.per_task)
+
+    def handle(self, rec: InRecord) -> list[OutRecord]:
+        outs: list[OutRecord] = []
+        decoded = self.decode(rec, outs)
+        if decoded is None:
+            return outs
+        if decoded.kind == "Tick":
+            return self.tick(decoded.header["event_time_ms"])
+        self._convert(self.core.handle(decoded.kind, decoded.record), outs, rec,
+                      decoded.header)
+        return outs
+
+    def tick(self, now_ms: int) -> list[OutRecord]:
+        outs: list[OutRecord] = []
+        self._convert(self.core.tick(now_ms), outs, None, {})
+        return outs
+
+    def _convert(self, results: list[Any], outs: list[OutRecord], rec: InRecord | None,
+                 header: dict[str, Any]) -> None:
+        from trajbus.consumers.watchdog import AlertOut, DecisionOut, to_model
+
+        for r in results:
+            if isinstance(r, AlertOut):
+                metrics.ALERTS.labels(r.alert).inc()
+                outs.append(OutRecord(self.topics.alerts, r.sandbox.encode(),
+                                      to_model(r, self.producer_id).encode()))
+            elif isinstance(r, DecisionOut):
+                metrics.DECISIONS.labels(r.decision).inc()
+                outs.append(OutRecord(self.topics.decisions, r.sandbox.encode(),
+                                      to_model(r, self.producer_id).encode()))
+            elif rec is not None:
+                outs.append(self.dead_letter(rec, r.reason_code, r.reason, header=header))
+
+    def take_dirty(self) -> dict[str, bytes | None]:
+        return self.core.take_dirty()
+
+    def restore(self, key: str, blob: bytes) -> None:
+        self.core.restore(key, blob)
+
+
+def watchdog_spec(settings: Settings) -> ProcessorSpec:
+    topics = Topics(settings)
+    return ProcessorSpec(
+        name="watchdog",
+        input_topics=[topics.sandbox_events],
+        factory=lambda: WatchdogProcessor(settings),
+    )

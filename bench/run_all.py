@@ -1,0 +1,176 @@
+"""Run every benchmark under bench/ in one go and write BENCHMARKS.md.
+
+    .venv/bin/python bench/run_all.py [--quick] [--only NAME ...]
+
+Starts its own Kafka broker (free port, temporary data directory) for the benchmarks that need
+one, so peers and trajbus are measured side by side on the same broker in the same run. Each
+benchmark writes a JSON file to bench/results/; this script turns them into BENCHMARKS.md with
+the machine, the date and the exact commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+# name -> (script, args for a full run, args for --quick, needs a broker)
+BENCHES: dict[str, tuple[str, list[str], list[str], bool]] = {
+    "emitter": ("bench_emitter.py", [], ["--small-count", "30000", "--large-count", "200"], True),
+    "reorder": ("bench_reorder.py", [], ["--episodes", "5000", "--repeat", "1"], False),
+    "watchdog": ("bench_watchdog.py", [], ["--sandboxes", "2000", "--repeat", "1"], False),
+    "scheduler": ("bench_scheduler.py", [], ["--repeat", "1"], False),
+    "archive": ("bench_archive.py", [], ["--events", "1000000", "--throughput-events",
+                                         "200000", "--hour-events", "200000"], False),
+    "e2e": ("bench_e2e.py", [], ["--events", "20000"], True),
+}
+
+
+def machine() -> dict[str, str]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = "unknown"
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f"{kb / 1024 / 1024:.1f} GiB"
+    except (OSError, ValueError, IndexError):
+        pass
+    return {
+        "cpu": cpu, "cores": str(os.cpu_count()), "memory": mem,
+        "python": platform.python_version(), "os": platform.platform(),
+        "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
+def run(names: list[str], quick: bool) -> dict[str, Any]:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    broker = None
+    bootstrap = ""
+    results: dict[str, Any] = {}
+    try:
+        if any(BENCHES[n][3] for n in names):
+            from trajbus.infra.broker import LocalBroker, free_port
+
+            broker = LocalBroker(data_dir=Path(tempfile.mkdtemp(prefix="bench-kafka-")),
+                                 port=free_port(), controller_port=free_port(), heap="1g")
+            broker.start(timeout=120)
+            bootstrap = broker.bootstrap
+        for name in names:
+            script, full, short, needs_broker = BENCHES[name]
+            if not (ROOT / "bench" / script).exists():
+                results[name] = {"skipped": f"bench/{script} does not exist yet"}
+                continue
+            out = RESULTS / f"{name}.json"
+            out.unlink(missing_ok=True)
+            cmd = [sys.executable, f"bench/{script}", "--json", str(out)]
+            cmd += (short if quick else full)
+            if needs_broker:
+                cmd += ["--bootstrap", bootstrap]
+            print(f"[bench] {name}: {' '.join(cmd[1:])}", flush=True)
+            started = time.monotonic()
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+            took = time.monotonic() - started
+            print(proc.stdout.strip()[-2000:], flush=True)
+            data: dict[str, Any] = {}
+            if out.exists():
+                data = json.loads(out.read_text())
+            if proc.returncode not in (0, 1) or not data:
+                data = {"error": f"exit {proc.returncode}", "stderr": proc.stderr[-1500:]}
+            data["_command"] = " ".join(["python", *cmd[1:]]).replace(bootstrap, "$BROKER")
+            data["_seconds"] = round(took, 1)
+            results[name] = data
+    finally:
+        if broker is not None:
+            broker.stop()
+    return results
+
+
+def _flatten(prefix: str, value: Any, rows: list[tuple[str, str]]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not str(k).startswith("_"):
+                _flatten(f"{prefix}.{k}" if prefix else str(k), v, rows)
+    elif isinstance(value, list):
+        if len(value) <= 6 and all(not isinstance(v, dict | list) for v in value):
+            rows.append((prefix, ", ".join(map(str, value))))
+        else:
+            for i, v in enumerate(value[:12]):
+                _flatten(f"{prefix}[{i}]", v, rows)
+    else:
+        if isinstance(value, float):
+            text = f"{value:,.3f}" if abs(value) < 100 else f"{value:,.0f}"
+        elif isinstance(value, int) and not isinstance(value, bool):
+            text = f"{value:,}"
+        else:
+            text = str(value)
+        rows.append((prefix, text))
+
+
+def write_markdown(results: dict[str, Any], quick: bool) -> str:
+    lines = ["# trajbus benchmarks", "",
+             f"Generated by `make bench` (`python bench/run_all.py{' --quick' if quick else ''}`)"
+             f" on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
+             "## Machine", ""]
+    for k, v in machine().items():
+        lines.append(f"- {k}: {v}")
+    lines += ["", "Figures come from one run on a shared 2-core machine; peers (Kafka's "
+              "ProducerPerformance, raw pyarrow) run in the same invocation against the same "
+              "broker or files, so the **ratios** are the figures to compare.", ""]
+    summary = [r for r in (_summary(name, data) for name, data in results.items()) if r]
+    if summary:
+        lines += ["## Targets", "", "| benchmark | measure | result | target | met |",
+                  "| --- | --- | --- | --- | --- |"]
+        for rows in summary:
+            lines += [f"| {' | '.join(row)} |" for row in rows]
+        lines.append("")
+    for name, data in results.items():
+        lines += [f"## {name}", "", f"Command: `{data.get('_command', '')}` "
+                  f"({data.get('_seconds', '?')} s)", "", "| metric | value |", "| --- | --- |"]
+        rows: list[tuple[str, str]] = []
+        _flatten("", data, rows)
+        lines += [f"| {k} | {v} |" for k, v in rows]
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _summary(name: str, data: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Rows for the targets table, from the 'targets' list a benchmark reports."""
+    rows = []
+    for t in data.get("targets", []) or []:
+        rows.append((name, str(t.get("measure", "")), str(t.get("result", "")),
+                     str(t.get("target", "")), "yes" if t.get("met") else "**no**"))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller workloads (~3 minutes)")
+    ap.add_argument("--only", nargs="*", choices=sorted(BENCHES), help="run only these")
+    ap.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    args = ap.parse_args()
+    names = args.only or list(BENCHES)
+    results = run(names, args.quick)
+    args.out.write_text(write_markdown(results, args.quick))
+    (RESULTS / "all.json").write_text(json.dumps(results, indent=2, default=str))
+    print(f"[bench] wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

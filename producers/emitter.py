@@ -1,0 +1,899 @@
+"""SandboxEmitter: the one object a sandbox runtime (or its sidecar) publishes through.
+
+Every lifecycle change, heartbeat, liveness result, tool call and result, trace chunk, episode
+start and end becomes an Avro event keyed by sandbox id, on ``Topics.sandbox_events`` (trace
+chunks on ``Topics.trace_chunks``), sent through the process's one shared idempotent producer
+(:func:`trajbus.bus.producer.get_producer`).
+
+Guarantees:
+
+- **Gapless, monotonic sequences, never reused.** Each episode is a stream (EpisodeStart is seq
+  0, EpisodeEnd the last); the sandbox has one more stream (``episode`` None) for lifecycle,
+  heartbeats, liveness and Drained. A seq is assigned and the encoded event appended to the
+  write-ahead journal in the state directory (:mod:`trajbus.producers.journal`) in one step,
+  before the event is handed to Kafka; if the append fails the seq is not consumed. Every
+  journaled event is sent until the broker acknowledges it -- across restarts: a restarted
+  emitter (same directory, same or another host) re-sends the journal's unacknowledged events
+  with their original event id and seq (downstream dedupes by (sandbox, episode, seq)) and
+  continues each stream after its highest journaled seq. So no seq is skipped, none is reused.
+- **Durable on return.** When an ``emit`` coroutine returns, the event survives SIGKILL of the
+  process; with ``durability="fsync"`` (default) it is fdatasync-ed before it is sent, so
+  nothing on Kafka is missing from the journal after a host crash.
+- **Bounded memory, no silent drop.** At most ``settings.producer.queue_max_events`` unacked
+  events are held in memory. When full, ``queue_policy="block"`` (default) waits up to
+  ``queue_full_timeout_s`` and then raises :class:`QueueFullError` (no seq consumed);
+  ``"spill"`` keeps the event on disk only (the journal) and sends it from there, raising
+  :class:`QueueFullError` only past ``max_journal_bytes``.
+- **One writer per directory.** The state directory is flock-ed; a second emitter on it raises
+  :class:`StateDirLockedError` (the lock dies with the process, so a SIGKILLed emitter's
+  directory can be taken over at once).
+- **Secrets never leave.** Tool args/results and trace bytes pass through a
+  :class:`~trajbus.producers.redact.Redactor` built from *this sandbox's* ``env`` before they
+  are encoded or journaled.
+
+Ordering on Kafka follows seq order per sandbox (one partition, one in-flight batch, idempotent
+producer), except after a failed send is retried; consumers reorder by seq anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import functools
+import hashlib
+import heapq
+import json
+import os
+import random
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from aiokafka import AIOKafkaProducer
+
+from trajbus.bus.producer import get_producer
+from trajbus.bus.settings import Settings, get_settings
+from trajbus.bus.topics import Topics, validate_name
+from trajbus.consumers.canonical import CanonicalError, canonicalizer
+from trajbus.producers.claimcheck import ClaimCheck
+from trajbus.producers.journal import Journal, JournalError
+from trajbus.producers.redact import Redactor
+from trajbus.schemas.codec import Codec, default_codec
+from trajbus.schemas.models import (
+    EpisodeOutcome,
+    LifecycleState,
+    ToolStatus,
+    new_event_id,
+    now_ms,
+)
+
+__all__ = [
+    "AckInfo",
+    "DrainReport",
+    "EmitterClosedError",
+    "EpisodeStateError",
+    "QueueFullError",
+    "SandboxEmitter",
+    "StateDirLockedError",
+    "SyncEmitter",
+    "UnflushedEvent",
+]
+
+SANDBOX_STREAM = ""  # internal stream key of the sandbox-level (episode None) stream
+SUMMARY_CHARS = 256
+CANONICAL_MAX_BYTES = 4096
+MESSAGE_OVERHEAD = 16 * 1024  # room for the envelope and Kafka record/batch headers
+SEND_BATCH = 2000
+T = TypeVar("T")
+
+
+class QueueFullError(RuntimeError):
+    """The emitter's bounded queue stayed full for ``queue_full_timeout_s``: the event was NOT
+    accepted (no seq consumed). The caller decides: retry, slow down, or fail the step."""
+
+
+class EmitterClosedError(RuntimeError):
+    """The emitter was closed."""
+
+
+class EpisodeStateError(RuntimeError):
+    """An event for an episode that is not open, or a start of an episode that exists."""
+
+
+class StateDirLockedError(RuntimeError):
+    """Another live emitter holds this state directory."""
+
+
+@dataclass(frozen=True, slots=True)
+class AckInfo:
+    """One event the broker acknowledged (passed to ``on_ack``)."""
+
+    kind: str
+    episode: str | None
+    seq: int
+    event_id: str
+    topic: str
+    partition: int
+    offset: int
+    value: bytes
+    resent: bool  # recovered from the journal after a restart
+
+
+@dataclass(frozen=True, slots=True)
+class UnflushedEvent:
+    kind: str
+    episode: str | None
+    seq: int
+    event_id: str
+    topic: str
+
+
+@dataclass
+class DrainReport:
+    """What :meth:`SandboxEmitter.drain` achieved. ``unflushed`` lists exactly the events not
+    acknowledged when drain returned (they stay journaled and are re-sent by the next emitter
+    on this state directory)."""
+
+    complete: bool
+    flushed: int
+    unflushed: list[UnflushedEvent]
+    final_seqs: dict[str, int]
+    drained_event_id: str | None
+    drained_acked: bool
+    elapsed_s: float
+    error: str | None = None
+
+    @property
+    def unflushed_count(self) -> int:
+        return len(self.unflushed)
+
+
+@dataclass(eq=False, slots=True)
+class _Item:
+    rid: int
+    seg: int
+    offset: int
+    length: int
+    topic: str
+    kind: str
+    stream: str
+    seq: int
+    event_id: str
+    value: bytes | None  # None = spilled: read back from the journal to send
+    resent: bool = False
+    in_flight: bool = False
+
+
+def _summary(text: str, limit: int = SUMMARY_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _default_producer_id(sandbox: str) -> str:
+    return f"{sandbox}@{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
+
+
+class SandboxEmitter:
+    """Publishes one sandbox's events. Use ``async with SandboxEmitter(...) as em:`` or call
+    :meth:`start` / :meth:`close`. Not thread-safe: use it from one event loop (or use
+    :class:`SyncEmitter`)."""
+
+    def __init__(
+        self,
+        sandbox: str,
+        task: str,
+        *,
+        env: Mapping[str, str] | None = None,
+        state_dir: str | os.PathLike[str] | None = None,
+        settings: Settings | None = None,
+        producer_id: str | None = None,
+        tenant: str | None = None,
+        queue_policy: Literal["block", "spill"] = "block",
+        durability: Literal["fsync", "os"] = "fsync",
+        max_journal_bytes: int = 4 * 1024**3,
+        segment_bytes: int = 32 * 1024 * 1024,
+        claim_check: ClaimCheck | None = None,
+        on_ack: Callable[[AckInfo], None] | None = None,
+        shuffle: tuple[int, random.Random] | None = None,
+        codec: Codec | None = None,
+        id_factory: Callable[[], str] | None = None,
+    ) -> None:
+        self.settings = settings or get_settings()
+        self.sandbox = validate_name("sandbox", sandbox)
+        self.task = validate_name("task", task)
+        self.tenant = tenant
+        self.producer_id = producer_id or _default_producer_id(sandbox)
+        self.topics = Topics(self.settings)
+        self.state_dir = Path(state_dir) if state_dir is not None else (
+            self.settings.state_dir / sandbox)
+        p = self.settings.producer
+        self.queue_max = p.queue_max_events
+        self.queue_timeout_s = p.queue_full_timeout_s
+        self.queue_policy = queue_policy
+        self.durability = durability
+        self.max_journal_bytes = max_journal_bytes
+        self.max_inline = min(self.settings.topics.max_message_bytes,
+                              self.settings.kafka.max_request_size) - MESSAGE_OVERHEAD
+        self.redactor = Redactor.for_env(env, p.redact_env)
+        self._canon = canonicalizer(self.settings.watchdog.ignore_fields)
+        self._canon_full = canonicalizer(())
+        self._claim = claim_check
+        self._on_ack = on_ack
+        self._shuffle = shuffle
+        self._codec = codec or default_codec()
+        self._key = sandbox.encode()
+        self._new_id = id_factory or new_event_id
+        self._segment_bytes = segment_bytes
+
+        # state (rebuilt from the journal)
+        self._next_rid = 0
+        self._next_seq: dict[str, int] = {SANDBOX_STREAM: 0}
+        self._open: dict[str, dict[str, Any]] = {}  # episode -> {"pv": policy_version}
+        self._closed: dict[str, int] = {}  # episode -> final seq
+        self._cursors: dict[str, Any] = {}
+        self._lifecycle: str | None = None
+
+        # queue
+        self._pending: list[tuple[int, _Item]] = []
+        self._unacked: dict[int, _Item] = {}
+        self._seg_unacked: dict[int, int] = {}
+        self._mem_items = 0
+        self._acked_rids: list[int] = []
+        self.acked_count = 0
+        self.resent_count = 0
+        self.last_error: str | None = None
+
+        self._lock_fd = -1
+        self._journal: Journal | None = None
+        self._sender: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._space: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._ack_waiters: dict[int, asyncio.Future[None]] = {}
+        self._producer: AIOKafkaProducer | None = None
+        self._closed_flag = False
+        self._stopping = False
+        self._open_journal()
+
+    # -- state directory ----------------------------------------------------------------------
+    def _open_journal(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.state_dir / "emitter.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StateDirLockedError(
+                f"{self.state_dir} is in use by another live emitter (flock held)") from None
+        self._lock_fd = fd
+        try:
+            journal = Journal(self.state_dir / "journal", self._segment_bytes)
+            self._recover(journal)
+            journal.open_new_segment(self._snapshot())
+            for seg in list(journal.seg_bytes):
+                if seg != journal.active and not self._seg_unacked.get(seg):
+                    journal.delete(seg)
+            self._journal = journal
+        except BaseException:
+            os.close(fd)
+            self._lock_fd = -1
+            raise
+
+    def _recover(self, journal: Journal) -> None:
+        rec = journal.recover()
+        if rec.state is not None:
+            st = rec.state
+            self._next_rid = int(st["rid"])
+            self._next_seq = {k: int(v) for k, v in st["seq"].items()}
+            self._open = dict(st["open"])
+            self._closed = {k: int(v) for k, v in st["closed"].items()}
+            self._cursors = dict(st.get("cur", {}))
+            self._lifecycle = st.get("ls")
+        for h in rec.tail:
+            self._apply(h)
+        for r in rec.events:
+            self._next_rid = max(self._next_rid, r.rid + 1)
+            if r.rid in rec.acked:
+                continue
+            h = r.header
+            item = _Item(r.rid, r.seg, r.offset, r.length, h["tp"], h["k"], h["s"], h["q"],
+                         h["id"], None, resent=True)
+            self._unacked[r.rid] = item
+            heapq.heappush(self._pending, (r.rid, item))
+            self._seg_unacked[r.seg] = self._seg_unacked.get(r.seg, 0) + 1
+        self.resent_count = len(self._unacked)
+
+    def _apply(self, h: dict[str, Any]) -> None:
+        """Apply an E record's state changes (used live and at recovery)."""
+        stream = h["s"]
+        self._next_rid = max(self._next_rid, h["rid"] + 1)
+        self._next_seq[stream] = max(self._next_seq.get(stream, 0), h["q"] + 1)
+        if h.get("open"):
+            self._open[stream] = {"pv": h.get("pv")}
+        if h.get("close"):
+            self._open.pop(stream, None)
+            self._next_seq.pop(stream, None)
+            self._closed[stream] = h["q"]
+        if "cur" in h:
+            name, cursor = h["cur"]
+            self._cursors[name] = cursor
+        if "ls" in h:
+            self._lifecycle = h["ls"]
+
+    def _snapshot(self) -> dict[str, Any]:
+        closed = self._closed
+        if len(closed) > 100_000:  # keep the newest; ids older than that are not reuse-checked
+            closed = dict(list(closed.items())[-100_000:])
+            self._closed = closed
+        return {"rid": self._next_rid, "seq": self._next_seq, "open": self._open,
+                "closed": closed, "cur": self._cursors, "ls": self._lifecycle,
+                "sandbox": self.sandbox, "task": self.task}
+
+    # -- lifecycle of the emitter -------------------------------------------------------------
+    async def start(self) -> SandboxEmitter:
+        """Connect (fail fast) and start sending, beginning with any journaled backlog."""
+        if self._sender is not None:
+            return self
+        if self._closed_flag:
+            raise EmitterClosedError("emitter is closed")
+        self._wake = asyncio.Event()
+        self._space = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._space.set()
+        if not self._unacked:
+            self._idle.set()
+        self._producer = await get_producer(self.settings.kafka)
+        self._sender = asyncio.create_task(self._send_loop(), name=f"emitter-{self.sandbox}")
+        if self._pending:
+            self._wake.set()
+        return self
+
+    async def __aenter__(self) -> SandboxEmitter:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self, timeout: float = 10.0) -> bool:
+        """Stop accepting events, wait up to ``timeout`` for acks, release the directory.
+        Returns True if everything was acknowledged; unacked events stay journaled."""
+        if self._closed_flag:
+            return not self._unacked
+        ok = await self.flush(timeout) if self._sender is not None else not self._unacked
+        await self._shutdown()
+        return ok
+
+    async def abort(self) -> None:
+        """Close at once without waiting (what a crash leaves behind; for tests/simulators)."""
+        await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        if self._closed_flag:
+            return
+        self._closed_flag = True
+        self._stopping = True
+        if self._sender is not None:
+            self._sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._sender
+        for fut in self._ack_waiters.values():
+            if not fut.done():
+                fut.set_exception(EmitterClosedError("emitter closed"))
+        if self._journal is not None:
+            with contextlib.suppress(Exception):
+                self._journal.append_acks(self._acked_rids)
+            self._acked_rids = []
+            self._journal.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    # -- introspection ------------------------------------------------------------------------
+    @property
+    def open_episodes(self) -> list[str]:
+        return list(self._open)
+
+    def is_open(self, episode: str) -> bool:
+        return episode in self._open
+
+    def is_closed(self, episode: str) -> bool:
+        return episode in self._closed
+
+    def next_seq(self, episode: str | None = None) -> int:
+        return self._next_seq.get(episode or SANDBOX_STREAM, 0)
+
+    def cursor(self, name: str) -> Any:
+        """The last cursor journaled under ``name`` (see ``trace_chunk(cursor=...)``)."""
+        return self._cursors.get(name)
+
+    @property
+    def cursors(self) -> dict[str, Any]:
+        return dict(self._cursors)
+
+    @property
+    def pending_count(self) -> int:
+        """Events journaled but not yet acknowledged."""
+        return len(self._unacked)
+
+    @property
+    def lifecycle_state(self) -> str | None:
+        return self._lifecycle
+
+    # -- the core -----------------------------------------------------------------------------
+    async def _reserve(self, force: bool) -> bool:
+        """Wait for room; returns whether the value may be held in memory."""
+        if self._closed_flag or self._stopping:
+            raise EmitterClosedError("emitter is closed")
+        if self._sender is None:
+            raise EmitterClosedError("emitter not started: await start() first")
+        if force or self._mem_items < self.queue_max:
+            return True
+        if self.queue_policy == "spill":
+            assert self._journal is not None
+            if self._journal.total_bytes > self.max_journal_bytes:
+                raise QueueFullError(
+                    f"{self.sandbox}: journal holds {self._journal.total_bytes} bytes unsent "
+                    f"(> {self.max_journal_bytes}); broker unreachable? last error: "
+                    f"{self.last_error}")
+            return False
+        assert self._space is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.queue_timeout_s
+        while self._mem_items >= self.queue_max:
+            self._space.clear()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise QueueFullError(
+                    f"{self.sandbox}: {self._mem_items} events unacknowledged for "
+                    f"{self.queue_timeout_s}s (queue_max_events={self.queue_max}); last error: "
+                    f"{self.last_error}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._space.wait(), remaining)
+            if self._closed_flag:
+                raise EmitterClosedError("emitter is closed")
+        return True
+
+    async def _emit(self, kind: str, episode: str | None, fields: dict[str, Any], *,
+                    topic: str | None = None, event_time_ms: int | None = None,
+                    extra: dict[str, Any] | None = None, force: bool = False) -> tuple[str, int]:
+        in_memory = await self._reserve(force)
+        # -- no await from here on: seq assignment and journal append are one step ----------
+        stream = SANDBOX_STREAM if episode is None else episode
+        if kind == "EpisodeStart":
+            if episode in self._open or episode in self._closed:
+                raise EpisodeStateError(f"episode {episode!r} of {self.sandbox} already exists")
+            seq = 0
+        else:
+            if episode is not None and episode not in self._open:
+                state = "ended" if episode in self._closed else "not started"
+                raise EpisodeStateError(f"episode {episode!r} of {self.sandbox} is {state}")
+            seq = self._next_seq.get(stream, 0)
+        pv = self._open.get(episode, {}).get("pv") if episode is not None else None
+        if extra and "pv" in extra:
+            pv = extra["pv"]
+        event_id = self._new_id()
+        record = {
+            "header": {
+                "event_id": event_id, "task": self.task, "sandbox": self.sandbox,
+                "episode": episode, "seq": seq,
+                "event_time_ms": event_time_ms if event_time_ms is not None else now_ms(),
+                "producer_id": self.producer_id, "policy_version": pv,
+            },
+            **fields,
+        }
+        value = self._codec.encode(kind, record)
+        if len(value) > self.max_inline + MESSAGE_OVERHEAD // 2:
+            raise ValueError(f"{kind} event of {len(value)} bytes exceeds the maximum message "
+                             f"size; large payloads must go through the claim-check")
+        rid = self._next_rid
+        topic = topic or self.topics.sandbox_events
+        h: dict[str, Any] = {"t": "E", "rid": rid, "s": stream, "q": seq, "id": event_id,
+                             "k": kind, "tp": topic}
+        if extra:
+            h.update(extra)
+        journal = self._journal
+        assert journal is not None
+        if journal.needs_roll(len(value)):
+            journal.open_new_segment(self._snapshot())
+            self._gc_segments()
+        seg, off, length = journal.append(h, value)  # raises JournalError: nothing consumed
+        self._apply(h)
+        item = _Item(rid, seg, off, length, topic, kind, stream, seq, event_id,
+                     value if in_memory else None)
+        if in_memory:
+            self._mem_items += 1
+        self._unacked[rid] = item
+        self._seg_unacked[seg] = self._seg_unacked.get(seg, 0) + 1
+        heapq.heappush(self._pending, (rid, item))
+        assert self._wake is not None and self._idle is not None
+        self._idle.clear()
+        self._wake.set()
+        return event_id, rid
+
+    # -- sending ------------------------------------------------------------------------------
+    async def _send_loop(self) -> None:
+        assert self._wake is not None and self._producer is not None
+        producer = self._producer
+        journal = self._journal
+        assert journal is not None
+        backoff = 0.05
+        while True:
+            if not self._pending:
+                self._flush_acks()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch: list[_Item] = []
+            while self._pending and len(batch) < SEND_BATCH:
+                batch.append(heapq.heappop(self._pending)[1])
+            if self.durability == "fsync":
+                fd = journal.sync_fd()
+                if fd is not None:
+                    try:
+                        await asyncio.to_thread(os.fdatasync, fd)
+                    finally:
+                        os.close(fd)
+            if self._shuffle is not None:
+                window, rng = self._shuffle
+                for i in range(0, len(batch), window):
+                    part = batch[i:i + window]
+                    rng.shuffle(part)
+                    batch[i:i + window] = part
+            failed = False
+            for i, item in enumerate(batch):
+                value = item.value
+                if value is None:
+                    try:
+                        value = journal.read(item.seg, item.offset, item.length)
+                    except OSError as exc:  # pragma: no cover - journal vanished under us
+                        self.last_error = f"journal read: {exc}"
+                        raise
+                try:
+                    fut = await producer.send(item.topic, value, key=self._key)
+                except Exception as exc:  # KafkaTimeoutError, connection errors...
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    for it in batch[i:]:
+                        heapq.heappush(self._pending, (it.rid, it))
+                    failed = True
+                    break
+                item.in_flight = True
+                fut.add_done_callback(functools.partial(
+                    self._on_sent, item, value if self._on_ack is not None else None))
+            self._flush_acks()
+            if failed:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            else:
+                backoff = 0.05
+                await asyncio.sleep(0)
+
+    def _on_sent(self, item: _Item, value: bytes | None, fut: asyncio.Future[Any]) -> None:
+        item.in_flight = False
+        if self._closed_flag:
+            return
+        if fut.cancelled() or fut.exception() is not None:
+            exc = None if fut.cancelled() else fut.exception()
+            self.last_error = f"send failed: {type(exc).__name__}: {exc}"
+            heapq.heappush(self._pending, (item.rid, item))
+            assert self._wake is not None
+            self._wake.set()
+            return
+        if self._unacked.pop(item.rid, None) is None:
+            return
+        md = fut.result()
+        self._acked_rids.append(item.rid)
+        self.acked_count += 1
+        left = self._seg_unacked.get(item.seg, 1) - 1
+        self._seg_unacked[item.seg] = left
+        if item.value is not None:
+            self._mem_items -= 1
+            item.value = None
+            if self._mem_items < self.queue_max and self._space is not None:
+                self._space.set()
+        if not self._unacked and self._idle is not None:
+            self._idle.set()
+        waiter = self._ack_waiters.pop(item.rid, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        if self._on_ack is not None:
+            episode = None if item.stream == SANDBOX_STREAM else item.stream
+            self._on_ack(AckInfo(item.kind, episode, item.seq, item.event_id, md.topic,
+                                 md.partition, md.offset, value or b"", item.resent))
+        if left <= 0 and self._journal is not None and item.seg != self._journal.active:
+            self._gc_segments()
+
+    def _flush_acks(self) -> None:
+        if self._acked_rids and self._journal is not None and not self._closed_flag:
+            rids, self._acked_rids = self._acked_rids, []
+            try:
+                self._journal.append_acks(rids)
+            except JournalError as exc:  # acks are an optimisation: worst case a re-send
+                self.last_error = str(exc)
+            self._gc_segments()
+
+    def _gc_segments(self) -> None:
+        journal = self._journal
+        if journal is None:
+            return
+        for seg in list(journal.seg_bytes):
+            if seg != journal.active and not self._seg_unacked.get(seg):
+                journal.delete(seg)
+                self._seg_unacked.pop(seg, None)
+
+    async def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every journaled event is acknowledged (True) or ``timeout`` passes."""
+        if self._idle is None:
+            return not self._unacked
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        finally:
+            self._flush_acks()
+        return True
+
+    async def _wait_acked(self, rid: int, timeout: float) -> bool:
+        if rid not in self._unacked:
+            return True
+        fut = self._ack_waiters.get(rid)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._ack_waiters[rid] = fut
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), max(0.0, timeout))
+        except (TimeoutError, EmitterClosedError):
+            return False
+        return True
+
+    # -- public event API ---------------------------------------------------------------------
+    async def lifecycle(self, state: LifecycleState | str, *, reason: str = "",
+                        node: str | None = None, tenant: str | None = None,
+                        event_time_ms: int | None = None) -> str:
+        """Publish a lifecycle transition (previous state is tracked, also across restarts)."""
+        st = LifecycleState(state).value
+        eid, _ = await self._emit("SandboxLifecycle", None, {
+            "state": st, "previous_state": self._lifecycle, "node": node,
+            "tenant": tenant or self.tenant, "reason": reason,
+        }, event_time_ms=event_time_ms, extra={"ls": st})
+        return eid
+
+    async def heartbeat(self, *, lease_ttl_ms: int | None = None,
+                        event_time_ms: int | None = None) -> str:
+        ttl = lease_ttl_ms if lease_ttl_ms is not None else self.settings.scheduler.lease_ttl_ms
+        eid, _ = await self._emit("Heartbeat", None, {"lease_ttl_ms": ttl},
+                                  event_time_ms=event_time_ms)
+        return eid
+
+    async def liveness(self, ok: bool, *, probe: str = "tcp", target: str = "",
+                       latency_ms: int = 0, error: str | None = None,
+                       event_time_ms: int | None = None) -> str:
+        eid, _ = await self._emit("LivenessProbe", None, {
+            "probe": probe, "target": target, "ok": ok, "latency_ms": latency_ms,
+            "error": self.redactor.redact_text(error) if error else error,
+        }, event_time_ms=event_time_ms)
+        return eid
+
+    async def start_episode(self, episode: str, *, tenant: str | None = None,
+                            env_snapshot: str | None = None,
+                            context: Mapping[str, str] | None = None,
+                            policy_version: int | None = None,
+                            event_time_ms: int | None = None) -> str:
+        """EpisodeStart (seq 0 of the episode's stream). Episode ids are never reused."""
+        validate_name("episode", episode)
+        ctx = {k: self.redactor.redact_text(str(v)) for k, v in (context or {}).items()}
+        eid, _ = await self._emit("EpisodeStart", episode, {
+            "tenant": tenant or self.tenant, "env_snapshot": env_snapshot, "context": ctx,
+        }, event_time_ms=event_time_ms, extra={"open": True, "pv": policy_version})
+        return eid
+
+    async def end_episode(self, episode: str,
+                          outcome: EpisodeOutcome | str = EpisodeOutcome.TERMINAL, *,
+                          reason: str = "", reward: float | None = None,
+                          cursor: tuple[str, Any] | None = None,
+                          event_time_ms: int | None = None) -> str:
+        """EpisodeEnd: the last seq of the episode; later events for it are refused."""
+        extra: dict[str, Any] = {"close": True}
+        if cursor is not None:
+            extra["cur"] = list(cursor)
+        eid, _ = await self._emit("EpisodeEnd", episode, {
+            "outcome": EpisodeOutcome(outcome).value, "reason": self.redactor.redact_text(reason),
+            "reward": reward,
+        }, event_time_ms=event_time_ms, extra=extra)
+        return eid
+
+    def _canonical(self, value: Any) -> tuple[str, str | None, str]:
+        """(hash, canonical-if-small, summary) of a redacted JSON-like value."""
+        if isinstance(value, bytes | bytearray):
+            value = bytes(value).decode("utf-8", "replace")
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass  # plain text: canonicalised as a JSON string
+        red = self.redactor.redact_value(value)
+        try:
+            full = self._canon_full.json_value(red)
+            digest = self._canon.hash(full) if self._canon.ignore else None
+        except CanonicalError:
+            full = self._canon_full.json_value(repr(red))
+            digest = None
+        h = digest or hashlib.sha256(full.encode("utf-8", "surrogatepass")).hexdigest()
+        small = full if len(full.encode("utf-8", "surrogatepass")) <= CANONICAL_MAX_BYTES else None
+        return h, small, _summary(full)
+
+    async def tool_call(self, episode: str, tool: str, args: Any, *, call_id: str | None = None,
+                        event_time_ms: int | None = None) -> str:
+        """ToolCall with redacted args: ``args_hash`` = sha256 of the canonical JSON with the
+        watchdog's ignored fields removed; ``args_canonical`` (all fields) only if <= 4 KiB;
+        ``args_summary`` <= 256 chars. Returns the call id."""
+        h, small, summary = self._canonical(args)
+        cid = call_id or self._new_id()[:16]
+        await self._emit("ToolCall", episode, {
+            "call_id": cid, "tool": tool, "args_hash": h, "args_canonical": small,
+            "args_summary": summary,
+        }, event_time_ms=event_time_ms)
+        return cid
+
+    async def tool_result(self, episode: str, call_id: str, tool: str, result: Any, *,
+                          status: ToolStatus | str = ToolStatus.OK, duration_ms: int = 0,
+                          event_time_ms: int | None = None) -> str:
+        h, small, summary = self._canonical(result)
+        eid, _ = await self._emit("ToolResult", episode, {
+            "call_id": call_id, "tool": tool, "status": ToolStatus(status).value,
+            "result_hash": h, "result_canonical": small, "result_summary": summary,
+            "duration_ms": duration_ms,
+        }, event_time_ms=event_time_ms)
+        return eid
+
+    async def trace_chunk(self, episode: str, data: bytes, *, file_offset: int,
+                          content_type: str = "application/octet-stream",
+                          reset: str | None = None, cursor: tuple[str, Any] | None = None,
+                          redact: bool = True, event_time_ms: int | None = None) -> str:
+        """A TraceChunk on ``Topics.trace_chunks``. ``data`` is redacted in place (length kept,
+        so offsets stay valid); above the claim-check threshold (or the message limit) it is
+        stored once in object storage and the event carries a BlobRef. ``cursor`` =
+        (name, JSON value) is journaled atomically with the event (the tailer's offsets)."""
+        if redact and not content_type.startswith(("image/", "video/", "audio/")):
+            data = self.redactor.redact_bytes(data)
+        sha = hashlib.sha256(data).hexdigest()
+        fields: dict[str, Any] = {"file_offset": file_offset, "length": len(data), "sha256": sha,
+                                  "data": data, "blob": None, "content_type": content_type,
+                                  "reset": reset}
+        claim = self._claim
+        threshold = claim.threshold if claim else self.settings.producer.claim_check_threshold
+        if len(data) > threshold or len(data) > self.max_inline:
+            if claim is None:
+                claim = self._claim = ClaimCheck(settings=self.settings)
+            ref = await asyncio.to_thread(claim.put, data, content_type)
+            fields["data"] = None
+            fields["blob"] = ref.model_dump()
+        extra = {"cur": list(cursor)} if cursor is not None else None
+        eid, _ = await self._emit("TraceChunk", episode, fields, topic=self.topics.trace_chunks,
+                                  event_time_ms=event_time_ms, extra=extra)
+        return eid
+
+    # -- drain --------------------------------------------------------------------------------
+    async def drain(self, deadline_s: float | None = None, *, detail: str = "") -> DrainReport:
+        """Flush everything pending, wait for broker acks, then publish Drained with the final
+        seq of every open episode -- all within ``deadline_s`` (default
+        ``settings.producer.drain_deadline_s``). Never raises for a slow or absent broker: the
+        report says exactly which events were not acknowledged (they stay journaled)."""
+        loop = asyncio.get_running_loop()
+        deadline_s = self.settings.producer.drain_deadline_s if deadline_s is None else deadline_s
+        t0 = loop.time()
+        end = t0 + deadline_s
+        acked0 = self.acked_count
+        reserve = min(2.0, deadline_s * 0.2)
+        await self.flush(max(0.0, end - reserve - loop.time()))
+        before = len(self._unacked)
+        final = {ep: self._next_seq.get(ep, 1) - 1 for ep in self._open}
+        drained_id: str | None = None
+        drained_acked = False
+        error: str | None = None
+        try:
+            drained_id, rid = await self._emit("Drained", None, {
+                "final_seqs": [{"episode": e, "final_seq": s} for e, s in final.items()],
+                "complete": before == 0, "unflushed": before,
+                "detail": detail or (f"{before} events unacknowledged at the deadline; last "
+                                     f"error: {self.last_error}" if before else ""),
+            }, force=True)
+            drained_acked = await self._wait_acked(rid, end - loop.time())
+        except (JournalError, EmitterClosedError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        self._flush_acks()
+        unflushed = [UnflushedEvent(i.kind, None if i.stream == SANDBOX_STREAM else i.stream,
+                                    i.seq, i.event_id, i.topic)
+                     for _, i in sorted(self._unacked.items())]
+        return DrainReport(
+            complete=not unflushed and drained_acked, flushed=self.acked_count - acked0,
+            unflushed=unflushed, final_seqs=final, drained_event_id=drained_id,
+            drained_acked=drained_acked, elapsed_s=loop.time() - t0,
+            error=error or (self.last_error if unflushed else None),
+        )
+
+
+# -- sync wrapper --------------------------------------------------------------------------
+class _LoopThread:
+    """One background event loop per process for all SyncEmitters (so they share one
+    producer, like async emitters do)."""
+
+    _instance: _LoopThread | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="trajbus-emitter",
+                                       daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def get(cls) -> _LoopThread:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+class SyncEmitter:
+    """Blocking facade over :class:`SandboxEmitter` for runtimes that are not async. Same
+    arguments and guarantees; calls run on a shared background loop thread."""
+
+    def __init__(self, sandbox: str, task: str, **kwargs: Any) -> None:
+        self._lt = _LoopThread.get()
+
+        async def make() -> SandboxEmitter:
+            return await SandboxEmitter(sandbox, task, **kwargs).start()
+
+        self.emitter: SandboxEmitter = self._lt.run(make())
+
+    def _call(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        async def go() -> T:
+            return await fn(*args, **kwargs)
+
+        return self._lt.run(go())
+
+    def lifecycle(self, *a: Any, **k: Any) -> str:
+        return self._call(self.emitter.lifecycle, *a, **k)
+
+    def heartbeat(self, *a: Any, **k: Any) -> str:
+        return self._call(self.emitter.heartbeat, *a, **k)
+
+    def liveness(self, *a: Any, **k: Any) -> str:
+        return self._call(self.emitter.liveness, *a, **k)
+
+    def start_episode(self, *a: Any, **k: Any) -> str:
+        return self._call(self.emitter.start_episode, *a, **k)
+
+    def end_episode(self, *a: Any, **k: Any) -> str:
+        return self._call(self.emitter.end_episode, *a, **k)
+
+    def tool_call(self, *a: Any, **k: Any) -> str:
+        return self._call(self.emitter.tool_call, *a, **k)
+
+    def tool_result(self, *a: Any, **k: Any) -> str:
+        return self._call(self.emitter.tool_result, *a, **k)
+
+    def trace_chunk(self, *a: Any, **k: Any) -> str:
+        return self._call(self.emitter.trace_chunk, *a, **k)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self._call(self.emitter.flush, timeout)
+
+    def drain(self, deadline_s: float | None = None) -> DrainReport:
+        return self._call(self.emitter.drain, deadline_s)
+
+    def close(self, timeout: float = 10.0) -> bool:
+        return self._call(self.emitter.close, timeout)
+
+    def __enter__(self) -> SyncEmitter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -1,0 +1,205 @@
+"""Secret hygiene: redact credentials from tool args, results and trace bytes before they leave
+the sandbox.
+
+Guarantees:
+
+- A :class:`Redactor` is built from *one sandbox's own* environment (an explicit dict, never
+  ``os.environ`` implicitly), so one sandbox's secret values are only ever searched for -- and
+  known -- inside that sandbox's emitter. Values of the variables named in
+  ``settings.producer.redact_env`` (plus any variable whose *name* looks secret: ``*TOKEN*``,
+  ``*SECRET*``, ``*PASSWORD*``, ``*API_KEY*``, ``*PRIVATE_KEY*``) are redacted wherever they
+  appear, as do common credential shapes (rules below), even with an empty environment.
+- Every redaction is counted by rule (``Redactor.counts``); env-value rules are named
+  ``env:<VAR>`` (the variable's name, never its value).
+- :meth:`Redactor.redact_bytes` preserves length (the secret is overwritten in place by a mask of
+  the same length), so trace byte offsets stay valid; :meth:`Redactor.redact_text` and
+  :meth:`Redactor.redact_value` replace with ``[REDACTED:<rule>]``.
+
+Not covered: secrets split across two trace chunks (the tailer cuts chunks at line ends to make
+this rare), and secrets re-encoded (base64, URL-encoding) before they were written.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Environment variables whose *name* matches this are treated as secret too.
+SECRET_NAME_RE = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|APIKEY|PRIVATE_KEY|CREDENTIAL)",
+                            re.IGNORECASE)
+#: Dict keys whose value is redacted whole in structured tool args/results.
+SENSITIVE_KEY_RE = re.compile(
+    r"^(password|passwd|secret|token|api[_-]?key|access[_-]?token|refresh[_-]?token|"
+    r"authorization|client[_-]?secret|private[_-]?key|aws_secret_access_key)$",
+    re.IGNORECASE,
+)
+#: Env values shorter than this are not searched for (would redact "1", "true", ...).
+MIN_ENV_VALUE_LEN = 6
+
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A credential shape. ``pattern`` starts with a literal (so ``re`` scans fast); a named
+    group ``M`` marks the part to mask (else the whole match). ``hints``: literals, one of which
+    must occur for the rule to run at all. ``fold``: match against the lower-cased text."""
+
+    name: str
+    pattern: str
+    hints: tuple[str, ...]
+    fold: bool = False
+
+
+_KW_VALUE = r"[\"']?\s*[:=]\s*[\"']?(?P<M>[^\s\"',;&]{4,})"
+RULES: list[Rule] = [
+    Rule("private_key", r"-----begin [a-z0-9 ]*private key-----[\s\S]*?"
+         r"-----end [a-z0-9 ]*private key-----", ("private key",), fold=True),
+    Rule("anthropic_key", r"sk-ant-(?<![A-Za-z0-9]sk-ant-)[A-Za-z0-9_\-]{16,}", ("sk-ant-",)),
+    Rule("openai_key", r"sk-(?<![A-Za-z0-9]sk-)(?!ant-)[A-Za-z0-9_\-]{20,}", ("sk-",)),
+    Rule("aws_access_key", r"(?:AKIA|ASIA)(?<![A-Za-z0-9]AKIA)(?<![A-Za-z0-9]ASIA)[0-9A-Z]{16}"
+         r"(?![0-9A-Za-z])", ("AKIA", "ASIA")),
+    Rule("github_token", r"gh[pousr]_[A-Za-z0-9]{30,}", ("gh",)),
+    Rule("github_token", r"github_pat_[A-Za-z0-9_]{30,}", ("github_pat_",)),
+    Rule("hf_token", r"hf_(?<![A-Za-z0-9]hf_)[A-Za-z0-9]{30,}", ("hf_",)),
+    Rule("slack_token", r"xox[abprs]-[A-Za-z0-9\-]{10,}", ("xox",)),
+    Rule("jwt", r"eyJ[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}", ("eyJ",)),
+    Rule("bearer_token", r"bearer\s+(?P<M>[a-z0-9._~+/\-]{12,}=*)", ("bearer",), fold=True),
+    Rule("url_password", r"://[^:/@\s\"'<>]+:(?P<M>[^@/\s\"'<>]+)@", ("://",)),
+] + [
+    Rule("password_assignment", kw + _KW_VALUE, (kw,), fold=True)
+    for kw in ("password", "passwd", "pwd", "secret", "api_key", "apikey")
+]
+
+
+def _mask(rule: str, length: int) -> str:
+    """A mask of exactly ``length`` characters naming the rule when there is room."""
+    label = f"[REDACTED:{rule}]"
+    if len(label) <= length:
+        return label + "*" * (length - len(label))
+    return "#" * length
+
+
+@dataclass
+class Redactor:
+    """Redacts one sandbox's secrets. Build with :meth:`for_env`."""
+
+    env_secrets: list[tuple[str, str]] = field(default_factory=list)  # (var name, value)
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        # Longest values first so a value containing another is masked whole.
+        self.env_secrets.sort(key=lambda nv: -len(nv[1]))
+        rules = [Rule(f"env:{n}", re.escape(v), (v,)) for n, v in self.env_secrets] + RULES
+        self._text_rules = [(r, re.compile(r.pattern), r.hints) for r in rules]
+        # Short inputs: one case-insensitive scan for any hint decides whether to look closer.
+        alt = "|".join(re.escape(h) for r in rules for h in r.hints)
+        self._text_hint = re.compile(alt, re.IGNORECASE)
+        self._bytes_hint = re.compile(alt.encode(), re.IGNORECASE)
+        self._byte_rules = [
+            (r, re.compile(r.pattern.encode()), tuple(h.encode() for h in r.hints)) for r in rules
+        ]
+
+    def _spans(self, data: Any, rules: list[tuple[Rule, Any, tuple[Any, ...]]]
+               ) -> list[tuple[int, int, str]]:
+        """Non-overlapping (start, end, rule) spans to mask, in order."""
+        if len(data) <= 4096:
+            hint = self._text_hint if isinstance(data, str) else self._bytes_hint
+            if hint.search(data) is None:
+                return []
+        folded = None
+        found: list[tuple[int, int, str]] = []
+        for rule, pattern, hints in rules:
+            if rule.fold:
+                if folded is None:
+                    folded = data.lower()
+                text = folded
+            else:
+                text = data
+            if not any(h in text for h in hints):
+                continue
+            for m in pattern.finditer(text):
+                g = "M" if "M" in pattern.groupindex and m.start("M") >= 0 else 0
+                start, end = m.span(g)
+                if end > start:
+                    found.append((start, end, rule.name))
+        if len(found) > 1:
+            found.sort()
+            merged: list[tuple[int, int, str]] = []
+            for span in found:
+                if merged and span[0] < merged[-1][1]:
+                    last = merged[-1]
+                    if span[1] > last[1]:
+                        merged[-1] = (last[0], span[1], last[2])
+                    continue
+                merged.append(span)
+            found = merged
+        return found
+
+    @classmethod
+    def for_env(cls, env: Mapping[str, str] | None, redact_env: Iterable[str] = ()) -> Redactor:
+        """A redactor for one sandbox: ``env`` is *that sandbox's* environment."""
+        names = set(redact_env)
+        secrets: list[tuple[str, str]] = []
+        for name, value in (env or {}).items():
+            if not isinstance(value, str) or len(value) < MIN_ENV_VALUE_LEN:
+                continue
+            if name in names or SECRET_NAME_RE.search(name):
+                secrets.append((name, value))
+        return cls(env_secrets=secrets)
+
+    # -- text ---------------------------------------------------------------------------------
+    def redact_text(self, text: str) -> str:
+        """Replace every secret in ``text`` with ``[REDACTED:<rule>]`` (length may change)."""
+        spans = self._spans(text, self._text_rules)
+        if not spans:
+            return text
+        out: list[str] = []
+        pos = 0
+        for start, end, rule in spans:
+            out.append(text[pos:start])
+            out.append(f"[REDACTED:{rule}]")
+            pos = end
+            self.counts[rule] += 1
+        out.append(text[pos:])
+        return "".join(out)
+
+    # -- bytes (length-preserving) ------------------------------------------------------------
+    def redact_bytes(self, data: bytes) -> bytes:
+        """Overwrite every secret in ``data`` with a same-length mask (offsets stay valid)."""
+        spans = self._spans(data, self._byte_rules)
+        if not spans:
+            return data
+        buf = bytearray(data)
+        for start, end, rule in spans:
+            buf[start:end] = _mask(rule, end - start).encode()
+            self.counts[rule] += 1
+        return bytes(buf)
+
+    # -- structured values --------------------------------------------------------------------
+    def redact_value(self, value: Any) -> Any:
+        """Redact strings anywhere inside JSON-like ``value`` (dicts, lists, tuples, str, bytes);
+        a dict entry whose key looks sensitive (``password``, ``token``...) is replaced whole."""
+        if isinstance(value, str):
+            return self.redact_text(value)
+        if isinstance(value, bytes | bytearray):
+            return self.redact_bytes(bytes(value))
+        if isinstance(value, Mapping):
+            out: dict[Any, Any] = {}
+            for k, v in value.items():
+                key = self.redact_text(k) if isinstance(k, str) else k
+                if isinstance(k, str) and SENSITIVE_KEY_RE.match(k) and v not in (None, "", 0):
+                    self.counts["sensitive_key"] += 1
+                    out[key] = "[REDACTED:sensitive_key]"
+                else:
+                    out[key] = self.redact_value(v)
+            return out
+        if isinstance(value, list | tuple):
+            return [self.redact_value(v) for v in value]
+        return value
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())

@@ -1,0 +1,417 @@
+"""Fleet simulator: many sandboxes driven through realistic episodes, in one process, all through
+the one shared producer. The workload for the demo, the tests and the benchmarks.
+
+Each sandbox runs on its own *simulated* clock (``event_time_ms`` is set explicitly; nothing
+sleeps), from an RNG seeded by ``(seed, sandbox index)``: for a given seed every sandbox's
+events -- kinds, seqs, arguments, results, event ids, event times -- are the same on every run,
+whatever the interleaving between sandboxes (Kafka offsets and arrival order are not).
+
+Behaviours (knobs are fractions of episodes, or of sandboxes for crash/migrate):
+
+- normal agents: tool calls with results, a growing trace (chunks), occasional large blobs
+  (claim-checked), heartbeats every 5 min and liveness probes every 60 s of simulated time;
+- ``loop``: the same call with the same result >= 25 times over >= 2.5 min (a true loop);
+- ``cycle``: A, B, A, B ... with unchanged results for >= 2.5 min (a repeating cycle);
+- ``nonloop``: the same call repeated until the result changes (each result distinct);
+- ``crash``: the agent dies mid-episode: the episode ends TRUNCATED, or never ends and the
+  sandbox is drained and RECYCLED;
+- ``migrate``: mid-episode the emitter is closed without draining and a new one (new
+  producer id, same state directory) continues -- several producer ids per sandbox;
+- ``duplicate``: some already-acknowledged events are sent again byte for byte;
+  ``shuffle_window`` > 1 shuffles send order within windows (out-of-order delivery).
+
+Lifecycle: PROVISIONING -> ACTIVE -> (episodes) -> DRAINING -> Drained -> RECYCLED. Node
+reports go to ``Topics.nodes`` and one SandboxRequest per sandbox to ``Topics.control``.
+
+The manifest (JSON) records, per (task, sandbox, episode), the (seq, event_id) pairs the broker
+acknowledged, the outcome, and which episodes loop, so tests can check pipeline output exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trajbus.bus.producer import get_producer
+from trajbus.bus.settings import Settings
+from trajbus.bus.topics import Topics
+from trajbus.producers.emitter import AckInfo, SandboxEmitter
+from trajbus.schemas.codec import default_codec
+
+DEFAULT_START_MS = 1_767_225_600_000  # 2026-01-01T00:00:00Z
+TOOLS = ["bash", "python", "http_get", "browser_click", "browser_type", "read_file", "write_file"]
+
+
+@dataclass
+class SimConfig:
+    sandboxes: int = 10
+    episodes: int = 3
+    seed: int = 0
+    tasks: list[str] = field(default_factory=lambda: ["swe-bench", "web-shop", "math-proofs"])
+    tenants: list[str] = field(default_factory=lambda: ["acme", "globex", "initech"])
+    nodes: int = 4
+    steps_min: int = 5
+    steps_max: int = 25
+    loop: float = 0.1
+    cycle: float = 0.05
+    nonloop: float = 0.05
+    crash: float = 0.05
+    migrate: float = 0.1
+    duplicate: float = 0.02
+    shuffle_window: int = 0
+    blob: float = 0.02
+    blob_bytes: int = 2 * 1024 * 1024
+    trace_line_bytes: int = 400
+    start_ms: int = DEFAULT_START_MS
+    durability: str = "os"
+    concurrency: int = 256
+
+
+@dataclass
+class EpisodeRecord:
+    task: str
+    sandbox: str
+    episode: str
+    behaviour: str
+    outcome: str | None = None  # TERMINAL, TRUNCATED, or None (never ended)
+    final_seq: int | None = None
+    acked: list[tuple[int, str]] = field(default_factory=list)
+    loop_span: tuple[int, int] | None = None  # (first_seq, last_seq) of the repetition
+
+
+@dataclass
+class Manifest:
+    config: dict[str, Any]
+    episodes: list[EpisodeRecord]
+    sandbox_streams: dict[str, list[tuple[int, str]]]
+    producer_ids: dict[str, list[str]]
+    duplicates_sent: int
+    events_acked: int
+    blobs: int
+
+    @property
+    def loops(self) -> list[EpisodeRecord]:
+        return [e for e in self.episodes if e.behaviour in ("loop", "cycle")]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "episodes": [asdict(e) for e in self.episodes],
+            "sandbox_streams": self.sandbox_streams,
+            "producer_ids": self.producer_ids,
+            "loops": [{"task": e.task, "sandbox": e.sandbox, "episode": e.episode,
+                       "kind": e.behaviour, "first_seq": e.loop_span[0] if e.loop_span else None,
+                       "last_seq": e.loop_span[1] if e.loop_span else None}
+                      for e in self.loops],
+            "duplicates_sent": self.duplicates_sent,
+            "events_acked": self.events_acked,
+            "blobs": self.blobs,
+        }
+
+    def write(self, path: str | Path) -> None:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        tmp.replace(p)
+
+
+def load_manifest(path: str | Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(Path(path).read_text())
+    return data
+
+
+class _Sandbox:
+    def __init__(self, sim: _Sim, index: int) -> None:
+        self.sim = sim
+        cfg = sim.cfg
+        self.rng = random.Random(f"{cfg.seed}:{index}")
+        self.id_rng = random.Random(f"{cfg.seed}:{index}:ids")
+        self.name = f"sb-{cfg.seed}-{index:05d}"
+        self.task = self.rng.choice(cfg.tasks)
+        self.tenant = self.rng.choice(cfg.tenants)
+        self.node = f"node-{self.rng.randrange(cfg.nodes):03d}"
+        self.clock = cfg.start_ms + self.rng.randrange(0, 60_000)
+        self.next_hb = self.clock
+        self.next_probe = self.clock
+        self.incarnation = 0
+        self.em: SandboxEmitter | None = None
+        self.acked_values: list[tuple[str, bytes]] = []
+        self.crash = self.rng.random() < cfg.crash
+        self.migrate = self.rng.random() < cfg.migrate
+
+    def _id(self) -> str:
+        return f"{self.id_rng.getrandbits(128):032x}"
+
+    def _on_ack(self, info: AckInfo) -> None:
+        sim = self.sim
+        sim.events_acked += 1
+        if info.episode is None:
+            sim.sandbox_streams[self.name].append((info.seq, info.event_id))
+        else:
+            sim.acked[(self.task, self.name, info.episode)].append((info.seq, info.event_id))
+        if sim.cfg.duplicate > 0 and not info.resent and len(self.acked_values) < 64:
+            self.acked_values.append((info.topic, info.value))
+
+    async def _open(self) -> SandboxEmitter:
+        cfg = self.sim.cfg
+        pid = f"{self.name}/p{self.incarnation}"
+        self.sim.producer_ids[self.name].append(pid)
+        shuffle = (cfg.shuffle_window, random.Random(f"{cfg.seed}:{self.name}:shuffle:"
+                                                     f"{self.incarnation}")) \
+            if cfg.shuffle_window > 1 else None
+        em = SandboxEmitter(
+            self.name, self.task, settings=self.sim.settings, producer_id=pid,
+            tenant=self.tenant, state_dir=self.sim.state_root / self.name,
+            env={"OPENAI_API_KEY": f"sk-sim-{self.name}-secret-value-000000"},
+            queue_policy="spill", durability="os" if cfg.durability == "os" else "fsync",
+            on_ack=self._on_ack, shuffle=shuffle, id_factory=self._id,
+        )
+        self.em = await em.start()
+        return self.em
+
+    def tick(self, lo_ms: int, hi_ms: int) -> int:
+        self.clock += self.rng.randint(lo_ms, hi_ms)
+        return self.clock
+
+    async def _periodic(self) -> None:
+        em = self.em
+        assert em is not None
+        while self.clock >= self.next_hb:
+            await em.heartbeat(event_time_ms=self.next_hb)
+            self.next_hb += self.sim.settings.scheduler.heartbeat_interval_ms
+        while self.clock >= self.next_probe:
+            ok = self.rng.random() > 0.02
+            await em.liveness(ok, target=f"{self.name}:8080", latency_ms=self.rng.randint(1, 40),
+                              error=None if ok else "connection refused",
+                              event_time_ms=self.next_probe)
+            self.next_probe += 60_000
+
+    async def run(self) -> None:
+        cfg = self.sim.cfg
+        em = await self._open()
+        await self.sim.request(self)
+        await em.lifecycle("PROVISIONING", node=self.node, event_time_ms=self.tick(0, 500))
+        await em.lifecycle("ACTIVE", node=self.node, event_time_ms=self.tick(500, 3000))
+        crash_at = self.rng.randrange(cfg.episodes) if self.crash else -1
+        migrate_at = self.rng.randrange(cfg.episodes) if self.migrate else -1
+        for n in range(cfg.episodes):
+            r = self.rng.random()
+            behaviour = ("loop" if r < cfg.loop else
+                         "cycle" if r < cfg.loop + cfg.cycle else
+                         "nonloop" if r < cfg.loop + cfg.cycle + cfg.nonloop else "normal")
+            if n == crash_at:
+                behaviour = "crash"
+            rec = EpisodeRecord(self.task, self.name, f"{n:05d}", behaviour)
+            self.sim.episodes.append(rec)
+            ended = await self._episode(rec, migrate=(n == migrate_at))
+            if not ended:
+                break  # crashed without EpisodeEnd: the sandbox is recycled
+        em = self.em
+        assert em is not None
+        await em.lifecycle("DRAINING", reason="recycle", event_time_ms=self.tick(100, 1000))
+        report = await em.drain(self.sim.settings.producer.drain_deadline_s)
+        for rec in self.sim.episodes:
+            if rec.sandbox == self.name and rec.episode in report.final_seqs:
+                rec.final_seq = report.final_seqs[rec.episode]
+        await em.lifecycle("RECYCLED", event_time_ms=self.tick(100, 1000))
+        await em.close(60)
+        await self.sim.resend_duplicates(self)
+
+    async def _episode(self, rec: EpisodeRecord, migrate: bool) -> bool:
+        cfg = self.sim.cfg
+        em = self.em
+        assert em is not None
+        ep = rec.episode
+        await em.start_episode(ep, tenant=self.tenant, policy_version=int(ep) // 2,
+                               context={"dataset": f"ds-{self.task}"},
+                               event_time_ms=self.tick(200, 2000))
+        trace_off = 0
+        steps = self.rng.randint(cfg.steps_min, cfg.steps_max)
+        migrate_step = self.rng.randrange(steps) if migrate else -1
+        crash_step = self.rng.randrange(max(1, steps)) if rec.behaviour == "crash" else -1
+
+        async def call(tool: str, args: dict[str, Any], result: Any, gap: tuple[int, int]
+                       ) -> int:
+            nonlocal trace_off
+            em2 = self.em
+            assert em2 is not None
+            cid = await em2.tool_call(ep, tool, args, event_time_ms=self.tick(*gap))
+            dur = self.rng.randint(5, 3000)
+            seq = em2.next_seq(ep)
+            await em2.tool_result(ep, cid, tool, result, duration_ms=dur,
+                                  event_time_ms=self.tick(dur, dur))
+            line = (json.dumps({"tool": tool, "args": args, "result": result}) + "\n").encode()
+            line = line + b"." * max(0, self.rng.randint(0, cfg.trace_line_bytes) - len(line))
+            await em2.trace_chunk(ep, line, file_offset=trace_off, content_type="application/jsonl",
+                                  event_time_ms=self.clock)
+            trace_off += len(line)
+            if self.rng.random() < cfg.blob:
+                blob = self.rng.randbytes(cfg.blob_bytes)
+                await em2.trace_chunk(ep, blob, file_offset=trace_off, content_type="image/png",
+                                      event_time_ms=self.clock)
+                trace_off += len(blob)
+                self.sim.blobs += 1
+            await self._periodic()
+            return seq
+
+        for step in range(steps):
+            if step == migrate_step:
+                await self._migrate()
+            if step == crash_step:
+                if self.rng.random() < 0.5:
+                    em3 = self.em
+                    assert em3 is not None
+                    await em3.end_episode(ep, "TRUNCATED", reason="agent process crashed",
+                                          event_time_ms=self.tick(100, 1000))
+                    rec.outcome = "TRUNCATED"
+                    return True
+                return False
+            if rec.behaviour in ("loop", "cycle", "nonloop") and step == steps // 2:
+                await self._repeat(rec, call)
+            tool = self.rng.choice(TOOLS)
+            await call(tool, {"cmd": f"{tool} step {step}", "arg": self.rng.randint(0, 10**6),
+                              "timestamp": self.clock},
+                       {"ok": True, "out": f"output {self.rng.getrandbits(32):08x}"}, (500, 8000))
+        em = self.em
+        assert em is not None
+        await em.end_episode(ep, "TERMINAL", reward=round(self.rng.random(), 3),
+                             event_time_ms=self.tick(100, 2000))
+        rec.outcome = "TERMINAL"
+        return True
+
+    async def _repeat(self, rec: EpisodeRecord,
+                      call: Callable[..., Any]) -> None:
+        first: int | None = None
+        last = 0
+        if rec.behaviour == "loop":
+            for _ in range(25):  # 25 x 6 s = 150 s, unchanged result
+                last = await call("browser_click", {"selector": "#submit"},
+                                  {"page": "checkout", "changed": False}, (6000, 6000))
+                first = last if first is None else first
+        elif rec.behaviour == "cycle":
+            for _ in range(24):  # A,B,A,B... 48 calls x 3.2 s
+                for sel in ("#next", "#prev"):
+                    last = await call("browser_click", {"selector": sel},
+                                      {"page": "list", "changed": False}, (3200, 3200))
+                    first = last if first is None else first
+        else:  # same call until the result changes: distinct results, not a loop
+            for i in range(25):
+                last = await call("http_get", {"url": "http://svc/status"},
+                                  {"status": "pending", "poll": i}, (6000, 6000))
+                first = last if first is None else first
+        if rec.behaviour != "nonloop" and first is not None:
+            rec.loop_span = (first - 1, last)  # ToolCall seqs (result is seq + 0)
+
+    async def _migrate(self) -> None:
+        em = self.em
+        assert em is not None
+        await em.close(0.0)  # handed over with whatever is still unacknowledged
+        self.incarnation += 1
+        await self._open()
+
+
+class _Sim:
+    def __init__(self, settings: Settings, cfg: SimConfig, state_root: Path) -> None:
+        self.settings = settings
+        self.cfg = cfg
+        self.state_root = state_root
+        self.topics = Topics(settings)
+        self.episodes: list[EpisodeRecord] = []
+        self.acked: dict[tuple[str, str, str], list[tuple[int, str]]] = defaultdict(list)
+        self.sandbox_streams: dict[str, list[tuple[int, str]]] = defaultdict(list)
+        self.producer_ids: dict[str, list[str]] = defaultdict(list)
+        self.duplicates_sent = 0
+        self.events_acked = 0
+        self.blobs = 0
+        self.codec = default_codec()
+        self.control_seq: dict[str, int] = defaultdict(int)
+
+    async def request(self, sb: _Sandbox) -> None:
+        producer = await get_producer(self.settings.kafka)
+        seq = self.control_seq[sb.tenant]
+        self.control_seq[sb.tenant] += 1
+        rec = {"header": self._header(sb.task, sb.name, seq, sb.clock, f"sim-{sb.tenant}",
+                                      f"req-{sb.name}"),
+               "request_id": f"req-{sb.name}", "tenant": sb.tenant, "cpu": 2.0,
+               "memory_mb": 4096, "gpu_share": 0.2 if sb.rng.random() < 0.2 else 0.0,
+               "dataset": f"ds-{sb.task}", "ttl_ms": self.settings.scheduler.lease_ttl_ms}
+        await (await producer.send(self.topics.control, self.codec.encode("SandboxRequest", rec),
+                                   key=sb.tenant.encode()))
+
+    @staticmethod
+    def _header(task: str, sandbox: str, seq: int, t: int, pid: str, eid: str) -> dict[str, Any]:
+        return {"event_id": eid, "task": task, "sandbox": sandbox, "episode": None, "seq": seq,
+                "event_time_ms": t, "producer_id": pid, "policy_version": None}
+
+    async def node_reports(self, rounds: int = 20) -> None:
+        producer = await get_producer(self.settings.kafka)
+        rng = random.Random(f"{self.cfg.seed}:nodes")
+        futs = []
+        for r in range(rounds):
+            t = self.cfg.start_ms + r * 500
+            for n in range(self.cfg.nodes):
+                node = f"node-{n:03d}"
+                rec = {"header": self._header("_fleet", node, r, t, "sim-nodes",
+                                              f"{rng.getrandbits(128):032x}"),
+                       "node": node, "cpu_total": 64.0, "cpu_free": rng.uniform(0, 64),
+                       "memory_total_mb": 262_144, "memory_free_mb": rng.randint(0, 262_144),
+                       "gpu_total": 8.0, "gpu_free": round(rng.uniform(0, 8), 1),
+                       "network_free_mbps": rng.uniform(100, 10_000),
+                       "cached_datasets": [f"ds-{t_}" for t_ in self.cfg.tasks
+                                           if rng.random() < 0.5]}
+                futs.append(await producer.send(self.topics.nodes,
+                                                self.codec.encode("NodeReport", rec),
+                                                key=node.encode()))
+        await asyncio.gather(*futs)
+
+    async def resend_duplicates(self, sb: _Sandbox) -> None:
+        if not sb.acked_values or self.cfg.duplicate <= 0:
+            return
+        producer = await get_producer(self.settings.kafka)
+        futs = []
+        rng = random.Random(f"{self.cfg.seed}:{sb.name}:dups")  # independent of interleaving
+        for topic, value in sb.acked_values:
+            if rng.random() < self.cfg.duplicate * 10:
+                futs.append(await producer.send(topic, value, key=sb.name.encode()))
+        await asyncio.gather(*futs)
+        self.duplicates_sent += len(futs)
+
+    def manifest(self) -> Manifest:
+        for rec in self.episodes:
+            acked = dict(self.acked.get((rec.task, rec.sandbox, rec.episode), []))
+            rec.acked = sorted(acked.items())
+            if rec.outcome is not None and rec.acked:
+                rec.final_seq = rec.acked[-1][0]
+        streams = {k: sorted(dict(v).items()) for k, v in self.sandbox_streams.items()}
+        return Manifest(asdict(self.cfg), self.episodes, streams, dict(self.producer_ids),
+                        self.duplicates_sent, self.events_acked, self.blobs)
+
+
+async def simulate(settings: Settings, sandboxes: int = 10, episodes: int = 3, seed: int = 0,
+                   *, manifest_path: str | Path | None = None,
+                   state_root: str | Path | None = None, **knobs: Any) -> Manifest:
+    """Run the simulated fleet to completion and return (and optionally write) its manifest.
+    ``knobs`` are :class:`SimConfig` fields (loop, cycle, nonloop, crash, migrate, duplicate,
+    shuffle_window, blob, ...). Topics must exist."""
+    cfg = SimConfig(sandboxes=sandboxes, episodes=episodes, seed=seed, **knobs)
+    root = Path(state_root) if state_root is not None else settings.state_dir / f"sim-{seed}"
+    sim = _Sim(settings, cfg, root)
+    await sim.node_reports()
+    sem = asyncio.Semaphore(cfg.concurrency)
+
+    async def one(i: int) -> None:
+        async with sem:
+            await _Sandbox(sim, i).run()
+
+    await asyncio.gather(*(one(i) for i in range(sandboxes)))
+    m = sim.manifest()
+    if manifest_path is not None:
+        m.write(manifest_path)
+    return m

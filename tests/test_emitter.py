@@ -1,0 +1,208 @@
+"""SandboxEmitter against a real broker: streams, journal recovery, bounded queue, redaction."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from trajbus.bus import producer as producer_mod
+from trajbus.bus.producer import close_producer
+from trajbus.bus.topics import Topics
+from trajbus.producers.emitter import (
+    EpisodeStateError,
+    QueueFullError,
+    SandboxEmitter,
+    StateDirLockedError,
+    SyncEmitter,
+    _LoopThread,
+)
+from trajbus.producers.testing import check_streams, create_topics, make_settings, read_topics
+from trajbus.schemas.models import decode_event
+
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(autouse=True)
+async def _close_shared_producer():
+    yield
+    if producer_mod._loop is asyncio.get_running_loop():
+        await close_producer()
+
+
+async def test_streams_are_gapless_and_events_decode(kafka_broker, unique_name, tmp_path):
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path)
+    await create_topics(s)
+    async with SandboxEmitter("sb-1", "task-a", settings=s, tenant="acme") as em:
+        await em.lifecycle("PROVISIONING")
+        await em.lifecycle("ACTIVE", node="n1")
+        await em.start_episode("00001", policy_version=7)
+        for i in range(50):
+            cid = await em.tool_call("00001", "bash", {"cmd": f"echo {i}", "ts": i})
+            await em.tool_result("00001", cid, "bash", {"stdout": str(i)}, duration_ms=3)
+            if i % 10 == 0:
+                await em.heartbeat()
+                await em.liveness(True, target="127.0.0.1:8080", latency_ms=2)
+        await em.trace_chunk("00001", b"line\n" * 10, file_offset=0, content_type="text/plain")
+        await em.end_episode("00001", "TERMINAL", reward=1.0)
+        with pytest.raises(EpisodeStateError):
+            await em.tool_call("00001", "bash", {})
+        with pytest.raises(EpisodeStateError):
+            await em.start_episode("00001")
+        assert await em.flush(30)
+        report = await em.drain(10)
+        assert report.complete and report.unflushed == [] and report.final_seqs == {}
+    topics = [em.topics.sandbox_events, em.topics.trace_chunks]
+    seen = await read_topics(s, topics, lambda xs: any(x.kind == "Drained" for x in xs))
+    assert check_streams(seen).problems() == []
+    ep = sorted((x for x in seen if x.header["episode"] == "00001"), key=lambda x: x.header["seq"])
+    assert ep[0].kind == "EpisodeStart" and ep[-1].kind == "EpisodeEnd"
+    assert [x.header["seq"] for x in ep] == list(range(len(ep))) == list(range(103))
+    assert {x.header["policy_version"] for x in ep} == {7}
+    for x in seen:  # every event validates against its pydantic model
+        decode_event(x.value)
+    # the watchdog's ignored fields ("ts") do not change the args hash
+    calls = [x.record for x in ep if x.kind == "ToolCall"]
+    assert len({c["args_hash"] for c in calls}) == 50
+    assert all(x.partition == seen[0].partition for x in seen if x.topic == topics[0])
+    life = [x.record for x in seen if x.kind == "SandboxLifecycle"]
+    assert [(r["previous_state"], r["state"]) for r in life] == [
+        (None, "PROVISIONING"), ("PROVISIONING", "ACTIVE")]
+
+
+async def test_same_call_same_hash_despite_ignored_fields(kafka_broker, unique_name, tmp_path):
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path)
+    await create_topics(s)
+    async with SandboxEmitter("sb-h", "task-a", settings=s) as em:
+        await em.start_episode("e")
+        await em.tool_call("e", "click", {"x": 1, "timestamp": 1})
+        await em.tool_call("e", "click", '{"timestamp": 2, "x": 1.0}')
+        await em.tool_call("e", "click", {"x": 2})
+        await em.tool_call("e", "big", {"blob": "y" * 10_000})
+    seen = await read_topics(s, [em.topics.sandbox_events],
+                             lambda xs: sum(x.kind == "ToolCall" for x in xs) == 4)
+    calls = sorted((x.record for x in seen if x.kind == "ToolCall"),
+                   key=lambda r: r["header"]["seq"])
+    assert calls[0]["args_hash"] == calls[1]["args_hash"] != calls[2]["args_hash"]
+    assert calls[0]["args_canonical"] == '{"timestamp":1,"x":1}'
+    assert calls[3]["args_canonical"] is None and len(calls[3]["args_summary"]) <= 256
+
+
+async def test_restart_resends_unacked_journal_and_continues(kafka_broker, unique_name, tmp_path):
+    """An emitter aborted with events journaled but never sent: the next one on the same
+    directory sends them (same event ids and seqs) and continues after them."""
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path)
+    await create_topics(s)
+    em = SandboxEmitter("sb-r", "task-a", settings=s)
+    await em.start()
+    await em.start_episode("e1")
+    # Stop the sender so these stay journaled only, then abort (a crash).
+    assert em._sender is not None
+    await em.flush(10)
+    em._sender.cancel()
+    ids = [await em.tool_call("e1", "t", {"i": i}) for i in range(20)]
+    assert em.pending_count == 20
+    await em.abort()
+    em2 = SandboxEmitter("sb-r", "task-a", settings=s)
+    assert em2.pending_count == 20 and em2.next_seq("e1") == 21 and em2.is_open("e1")
+    async with em2:
+        await em2.tool_call("e1", "t", {"i": 20})
+        await em2.end_episode("e1")
+    seen = await read_topics(s, [em.topics.sandbox_events],
+                             lambda xs: any(x.kind == "EpisodeEnd" for x in xs))
+    assert check_streams(seen).problems() == []
+    seqs = sorted(x.header["seq"] for x in seen if x.header["episode"] == "e1")
+    assert seqs == list(range(23))
+    assert len(ids) == 20
+
+
+async def test_state_dir_is_exclusive(kafka_broker, unique_name, tmp_path):
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path)
+    em = SandboxEmitter("sb-x", "task-a", settings=s)
+    with pytest.raises(StateDirLockedError):
+        SandboxEmitter("sb-x", "task-a", settings=s)
+    await em.abort()
+    await SandboxEmitter("sb-x", "task-a", settings=s).abort()  # free again after abort
+
+
+async def test_queue_full_raises_without_consuming_a_seq(kafka_broker, unique_name, tmp_path):
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, queue_max_events=5,
+                      queue_full_timeout_s=0.3)
+    await create_topics(s)
+    em = SandboxEmitter("sb-q", "task-a", settings=s)
+    await em.start()
+    assert em._sender is not None
+    em._sender.cancel()  # nothing gets acknowledged: the queue fills
+    for _ in range(5):
+        await em.heartbeat()
+    with pytest.raises(QueueFullError):
+        await em.heartbeat()
+    assert em.next_seq() == 5
+    await em.abort()
+    # spill policy: accepted onto disk, sent later
+    em2 = SandboxEmitter("sb-q", "task-a", settings=s, queue_policy="spill")
+    async with em2:
+        for _ in range(20):
+            await em2.heartbeat()
+        assert await em2.flush(30)
+    seen = await read_topics(s, [em.topics.sandbox_events], lambda xs: len(xs) >= 25)
+    assert sorted(x.header["seq"] for x in seen) == list(range(25))
+
+
+async def test_redaction_planted_secrets_never_reach_kafka(kafka_broker, unique_name, tmp_path):
+    secret = "zz-planted-secret-9f8e7d"
+    other_sandbox_secret = "yy-other-sandbox-secret-42"
+    shapes = {
+        "openai": "sk-proj-abcdefghijklmnopqrstuvwxyz012345",
+        "aws": "AKIAIOSFODNN7EXAMPLE",
+        "bearer": "Bearer eyJhbGciOiJIUzI1NiJ9abcdefghij",
+        "url": "postgres://admin:hunter2hunter2@db:5432/x",
+        "pem": "-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEA\n-----END RSA PRIVATE KEY-----",
+    }
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path)
+    await create_topics(s)
+    env = {"OPENAI_API_KEY": secret, "PATH": "/usr/bin"}
+    other = SandboxEmitter("sb-other", "task-a", settings=s, env={"GITHUB_TOKEN":
+                                                                   other_sandbox_secret})
+    async with SandboxEmitter("sb-sec", "task-a", settings=s, env=env) as em, other:
+        await em.start_episode("e")
+        cid = await em.tool_call("e", "http", {"url": shapes["url"], "headers": {
+            "Authorization": shapes["bearer"]}, "key": secret, "password": "pw-123456"})
+        await em.tool_result("e", cid, "http", f"echo {secret} {shapes['openai']} {shapes['aws']}\n"
+                                               f"curl -H 'Authorization: {shapes['bearer']}'")
+        trace = f"step 1 env OPENAI_API_KEY={secret}\n{shapes['pem']}\n{shapes['aws']}\n".encode()
+        await em.trace_chunk("e", trace, file_offset=0, content_type="text/plain")
+        await em.liveness(False, error=f"connect {shapes['url']} failed")
+        await em.end_episode("e", reason=f"done {secret}")
+        await other.heartbeat()
+        counts = dict(em.redactor.counts)
+    seen = await read_topics(s, [em.topics.sandbox_events, em.topics.trace_chunks],
+                             lambda xs: any(x.kind == "EpisodeEnd" for x in xs) and
+                             any(x.kind == "Heartbeat" for x in xs))
+    blob = b"".join(x.value for x in seen)
+    for planted in [secret, "hunter2hunter2", "pw-123456", "IOSFODNN7EXAMPLE", "MIIEowIBAAKCAQEA",
+                    "abcdefghijklmnopqrstuvwxyz012345", "eyJhbGciOiJIUzI1NiJ9abcdefghij"]:
+        assert planted.encode() not in blob, planted
+    # the other sandbox's secret is not even known to this emitter's redactor
+    assert all(other_sandbox_secret not in v for _, v in em.redactor.env_secrets)
+    assert counts["env:OPENAI_API_KEY"] >= 4
+    for rule in ("aws_access_key", "url_password", "private_key", "sensitive_key",
+                 "openai_key", "bearer_token"):
+        assert counts.get(rule, 0) >= 1, (rule, counts)
+    chunk = next(x for x in seen if x.kind == "TraceChunk")
+    assert chunk.record["length"] == len(trace) == len(chunk.record["data"])  # offsets kept
+
+
+def test_sync_wrapper(kafka_broker, unique_name, tmp_path):
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path)
+    asyncio.run(create_topics(s))
+    with SyncEmitter("sb-sync", "task-a", settings=s) as em:
+        em.lifecycle("ACTIVE")
+        em.start_episode("e")
+        cid = em.tool_call("e", "t", {"a": 1})
+        em.tool_result("e", cid, "t", "ok")
+        report = em.drain(10)
+        assert report.complete and report.final_seqs == {"e": 2}
+    _LoopThread.get().run(close_producer())
+    seen = asyncio.run(read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= 5))
+    assert check_streams(seen).problems() == []

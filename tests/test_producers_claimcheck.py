@@ -1,0 +1,74 @@
+"""Claim-check: large blobs stored once under a content-addressed key; readers verify sha256."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+
+import pytest
+
+from trajbus.bus import producer as producer_mod
+from trajbus.bus.producer import close_producer
+from trajbus.bus.topics import Topics
+from trajbus.producers.claimcheck import BlobIntegrityError, ClaimCheck, blob_key, fetch_blob
+from trajbus.producers.emitter import SandboxEmitter
+from trajbus.producers.testing import create_topics, make_settings, read_topics
+from trajbus.schemas.models import BlobRef
+
+pytestmark = [pytest.mark.timeout(120)]
+
+
+@pytest.fixture(autouse=True)
+async def _close_shared_producer():
+    yield
+    if producer_mod._loop is asyncio.get_running_loop():
+        await close_producer()
+
+
+def test_key_layout_and_single_store(tmp_path):
+    cc = ClaimCheck(url=str(tmp_path / "arch"), threshold=10)
+    data = os.urandom(1000)
+    sha = hashlib.sha256(data).hexdigest()
+    ref = cc.put(data, "image/png")
+    again = cc.put(data, "image/png")
+    assert ref == again and cc.puts == 1 and cc.skipped == 1
+    assert blob_key(sha) == f"blobs/sha256/{sha[:2]}/{sha[2:4]}/{sha}"
+    assert ref.uri.endswith(blob_key(sha)) and ref.size == 1000
+    assert fetch_blob(ref) == data
+    (tmp_path / "arch" / blob_key(sha)).write_bytes(b"tampered")
+    with pytest.raises(BlobIntegrityError):
+        fetch_blob(ref)
+    with pytest.raises(BlobIntegrityError):
+        fetch_blob(BlobRef(uri=ref.uri, size=ref.size, sha256="0" * 64))
+
+
+def test_s3_store(s3_server):
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="blobs-test")
+    cc = ClaimCheck(url="s3://blobs-test/trajbus", endpoint_url=s3_server, threshold=10)
+    data = os.urandom(5000)
+    ref = cc.put(data)
+    assert ref.uri.startswith("s3://blobs-test/trajbus/blobs/sha256/")
+    assert fetch_blob(ref, endpoint_url=s3_server) == data
+
+
+@pytest.mark.kafka
+async def test_emitter_claim_checks_large_chunks(kafka_broker, unique_name, tmp_path):
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, claim_check_threshold=100_000)
+    s.archive.url = str(tmp_path / "archive")
+    await create_topics(s)
+    big = os.urandom(3 * 1024 * 1024)
+    async with SandboxEmitter("sb-cc", "task-a", settings=s) as em:
+        await em.start_episode("e")
+        await em.trace_chunk("e", b"small\n", file_offset=0)
+        await em.trace_chunk("e", big, file_offset=6, content_type="image/png")
+    seen = await read_topics(s, [Topics(s).trace_chunks], lambda xs: len(xs) >= 2)
+    small, large = sorted(seen, key=lambda x: x.header["seq"])
+    assert small.record["data"] == b"small\n" and small.record["blob"] is None
+    assert large.record["data"] is None and len(large.value) < 4096
+    ref = BlobRef(**large.record["blob"])
+    assert ref.size == len(big) and ref.content_type == "image/png"
+    assert fetch_blob(ref) == big
+    assert large.record["sha256"] == ref.sha256 == hashlib.sha256(big).hexdigest()
