@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from trajbus.bus.settings import Settings
 
 DAY_MS = 24 * 3600 * 1000
-_TASK_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,120}$")
+_TASK_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,120}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,7 @@ class Topics:
         self.decisions = f"{p}.scheduler.decisions"
         self.alerts = f"{p}.watchdog.alerts"
         self.deadletter = f"{p}.deadletter"
-        self.late = f"{p}.replay.late"
+        self.late = f"{p}.late"
         self.schemas = f"{p}.schemas"
         self._specs = [
             TopicSpec(self.sandbox_events, n, "lifecycle, heartbeats, probes, tool calls and "
@@ -98,6 +98,6 @@ def validate_name(what: str, value: str) -> str:
     if not _TASK_RE.match(value) or ".." in value:
         raise ValueError(
             f"invalid {what} id {value!r}: use letters, digits, '.', '_' or '-' "
-            "(at most 121 characters, no '..', not starting with punctuation)"
+            "(at most 121 characters, no '..', not starting with '.' or '-')"
         )
     return value

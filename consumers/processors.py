@@ -63,7 +63,13 @@ class ReorderProcessor(_Adapter):
         from trajbus.consumers.reorder import ReorderCore
 
         super().__init__(settings, codec)
-        self.core = ReorderCore(settings.replay)
+        # Gap timeouts count processing time, not producers' clocks: the core's clock is the
+        # lowest tick seen across the input topics (a watermark). Events of a sandbox arrive
+        # on two topics (events and trace chunks); a gap can only close once *both* topics
+        # have been read past the gap's deadline, so a lagging topic never causes a false gap.
+        self.core = ReorderCore(settings.replay, event_time_clock=False)
+        self.inputs = tuple(self.topics.input_topics)
+        self.watermarks: dict[str, int] = {}
 
     def handle(self, rec: InRecord) -> list[OutRecord]:
         from trajbus.consumers.reorder import InEvent
@@ -73,9 +79,16 @@ class ReorderProcessor(_Adapter):
         if decoded is None:
             return outs
         if decoded.kind == "Tick":
-            return self.tick(decoded.header["event_time_ms"])
+            t = decoded.header["event_time_ms"]
+            if t > self.watermarks.get(rec.topic, 0):
+                self.watermarks[rec.topic] = t
+            if all(topic in self.watermarks for topic in self.inputs):
+                return self.tick(min(self.watermarks[topic] for topic in self.inputs))
+            return outs
         if decoded.kind not in _REORDERED:
             return outs
+        if self.core.clock_ms == 0:  # before the first watermark: start from the log's time
+            self.core.tick(rec.timestamp_ms)
         self._convert(self.core.handle(InEvent.from_decoded(decoded, rec.value)), outs, rec)
         return outs
 
@@ -162,9 +175,13 @@ class SchedulerProcessor(_Adapter):
             h = record["header"]
             results = self.core.handle("ReplayAck", {
                 "sandbox": h["sandbox"], "episode": h["episode"],
-                "last_seq": record["last_seq"], "event_time_ms": h["event_time_ms"],
+                "last_seq": record["last_seq"], "event_time_ms": rec.timestamp_ms,
                 "event_id": h["event_id"]})
         elif kind in self.INPUT_KINDS:
+            # The scheduler's clock is the log's record timestamp (ingestion time): it is in the
+            # log, so replays decide the same, and one producer's skewed clock cannot expire
+            # every other sandbox's lease.
+            record = {**record, "header": {**record["header"], "event_time_ms": rec.timestamp_ms}}
             results = self.core.handle(kind, record)
         else:
             return outs
@@ -201,7 +218,8 @@ def scheduler_spec(settings: Settings) -> ProcessorSpec:
     return ProcessorSpec(
         name="scheduler",
         input_topics=[topics.control, topics.nodes, topics.sandbox_events, topics.alerts],
-        input_pattern=re.escape(f"{topics.prefix}.replay.") + r"(?!late$)[^.]+$",
+        tick_topics=[topics.control],
+        input_pattern=replay_topics_pattern(topics),
         factory=lambda: SchedulerProcessor(settings),
         global_state=True,
     )
@@ -209,7 +227,11 @@ def scheduler_spec(settings: Settings) -> ProcessorSpec:
 
 # -- watchdog ----------------------------------------------------------------------------
 class WatchdogProcessor(_Adapter):
-    """Tool calls and results -> loop and stall alerts (+ TERMINATE decisions unless dry run)."""
+    """Ordered replay segments -> loop and stall alerts (+ TERMINATE decisions unless dry run).
+
+    The watchdog reads the reorder processor's output, not the raw topics: sandboxes publish
+    concurrently, so raw tool events arrive out of order and with duplicates, while the rule
+    ("the same call 20 times in a row") is about the agent's actual order of calls."""
 
     stage = "watchdog"
 
@@ -226,8 +248,15 @@ class WatchdogProcessor(_Adapter):
             return outs
         if decoded.kind == "Tick":
             return self.tick(decoded.header["event_time_ms"])
-        self._convert(self.core.handle(decoded.kind, decoded.record), outs, rec,
-                      decoded.header)
+        if decoded.kind != "ReplaySegment":
+            return outs
+        for raw in decoded.record["events"]:
+            try:
+                event = self.codec.decode(raw)
+            except DecodeError as exc:  # cannot happen for reorder output; never crash
+                outs.append(self.dead_letter(rec, exc.reason_code, str(exc), value=raw))
+                continue
+            self._convert(self.core.handle(event.kind, event.record), outs, rec, event.header)
         return outs
 
     def tick(self, now_ms: int) -> list[OutRecord]:
@@ -255,13 +284,21 @@ class WatchdogProcessor(_Adapter):
         return self.core.take_dirty()
 
     def restore(self, key: str, blob: bytes) -> None:
-        self.core.restore(key, blob)
+        self.core.restore(key, blob)  # a corrupt blob is refused by the core, state unchanged
+
+
+def replay_topics_pattern(topics: Topics) -> str:
+    """Every per-task replay topic (trajbus.replay.<task>)."""
+    return re.escape(f"{topics.prefix}.replay.") + r"[^.]+$"
 
 
 def watchdog_spec(settings: Settings) -> ProcessorSpec:
     topics = Topics(settings)
+    ticks = f"{topics.prefix}.watchdog.ticks"
     return ProcessorSpec(
         name="watchdog",
-        input_topics=[topics.sandbox_events],
+        input_topics=[ticks],
+        input_pattern=replay_topics_pattern(topics),
+        tick_topics=[ticks],
         factory=lambda: WatchdogProcessor(settings),
     )

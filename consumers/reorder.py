@@ -321,6 +321,7 @@ class ReorderCore:
         tombstone_ttl_ms: int | None = None,
         idle_timeout_ms: int | None = None,
         recycle_grace_ms: int | None = None,
+        event_time_clock: bool = True,
     ) -> None:
         def opt(value: int | None, name: str, default: int | None) -> int | None:
             if value is not None:
@@ -340,6 +341,9 @@ class ReorderCore:
         self._idle = opt(idle_timeout_ms, "idle_timeout_ms", None)
         self._grace = opt(recycle_grace_ms, "recycle_grace_ms", self._timeout) or 0
 
+        # False: only tick() moves the clock (processing time, ticks logged by the shell), so
+        # a producer whose clock runs ahead cannot time out other episodes' gaps.
+        self._event_clock = event_time_clock
         self._clock = 0
         self._persisted_clock = 0
         self._eps: dict[tuple[str, str], _Ep] = {}
@@ -373,7 +377,7 @@ class ReorderCore:
         try:
             _, sandbox, episode, seq, t, kind, raw, digest, outcome, _, _ = ev
             if type(t) is int:
-                if t > self._clock:
+                if t > self._clock and self._event_clock:
                     self._clock = t
                 ep = self._eps.get((sandbox, episode))  # type: ignore[arg-type]
                 # Fast path: the next expected event of an open episode with nothing buffered.

@@ -157,6 +157,7 @@ class ReplayClient:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             isolation_level="read_committed",
+            metadata_max_age_ms=5000,  # a task's replay topic may be created after we subscribe
             max_partition_fetch_bytes=self.settings.kafka.max_request_size,
         )
         await self._consumer.start()

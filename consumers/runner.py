@@ -89,6 +89,7 @@ class ProcessorSpec:
     output_topics: Callable[[], Iterable[TopicSpec]] = lambda: ()
     global_state: bool = False  # True: one core for every partition (requires one worker)
     input_pattern: str | None = None  # also consume topics matching this regex
+    tick_topics: list[str] | None = None  # where the ticker writes (default: input_topics)
     extra_topics: list[TopicSpec] = field(default_factory=list)
 
 
@@ -181,6 +182,8 @@ class Runner:
                            "state key", retention_ms=-1, compacted=True,
                            max_message_bytes=self.settings.topics.max_message_bytes)]
         specs += self.topics.specs + list(self.spec.output_topics()) + self.spec.extra_topics
+        specs += [TopicSpec(t, parts, "ticks", "-", retention_ms=3_600_000)
+                  for t in self.spec.tick_topics or () if t not in {s.name for s in specs}]
         await ensure_topics(self.settings, specs)
         self._known_topics.update(s.name for s in specs)
 
@@ -209,6 +212,7 @@ class Runner:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             max_poll_records=2000,
+            metadata_max_age_ms=5000,  # pattern subscriptions see new replay topics quickly
             max_partition_fetch_bytes=k.max_request_size,
             fetch_max_bytes=4 * k.max_request_size,
         )
@@ -280,20 +284,22 @@ class Runner:
         self.processed += sum(len(m) for m in batch.values())
 
     async def _ticker(self) -> None:
-        """Publish Tick events into every partition of the first input topic, so time-driven
-        rules fire even when no traffic arrives, and the ticks are replayable from the log."""
+        """Publish Tick events into every partition of the tick topics (default: the input
+        topics), so time-driven rules fire even when no traffic arrives, the ticks are
+        replayable from the log, and a tick inside an input partition marks how far that
+        partition has been written (a processing-time watermark)."""
         interval = self.settings.scheduler.tick_interval_ms / 1000
-        topic = self.spec.input_topics[0]
         producer = AIOKafkaProducer(**producer_options(
             self.settings.kafka, client_id=f"{self.group_id}-{self.worker_id}-ticker"))
         await producer.start()
         try:
-            parts = sorted(await producer.partitions_for(topic))
+            targets = [(t, p) for t in (self.spec.tick_topics or self.spec.input_topics)
+                       for p in sorted(await producer.partitions_for(t))]
             seq = 0
             while True:
                 await asyncio.sleep(interval)
                 now = int(time.time() * 1000)
-                for p in parts:
+                for topic, p in targets:
                     tick = Tick(header=Envelope(task="_tick", sandbox="_tick", seq=seq,
                                                 event_time_ms=now,
                                                 producer_id=f"{self.group_id}.{self.worker_id}"))

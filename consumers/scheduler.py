@@ -1050,6 +1050,18 @@ class SchedulerCore:
             if same:
                 self._count("duplicate")
                 return
+            if existing is not None and existing.request_id is None \
+                    and existing.state != RECYCLED:
+                # The request raced the sandbox's own lifecycle report (they travel on
+                # different topics): the sandbox was adopted; the request is recorded on it.
+                existing.request_id = rid
+                existing.tenant = existing.tenant or tenant
+                self._dirty_sb.add(sid)
+                self._decide(out, DecisionKind.ADMIT,
+                             "request for a sandbox that already reported itself (adopted): "
+                             "recorded, no new placement", sandbox=sid, task=task,
+                             tenant=tenant, request_id=rid, causes=[eid])
+                return
             self._decide(out, DecisionKind.ANOMALY, "sandbox id already in use", sandbox=sid,
                          task=task, tenant=tenant, request_id=rid, causes=[eid])
             return

@@ -1,0 +1,307 @@
+"""The archiver: raw event topics -> Parquet objects + index in the object store.
+
+Why a plain aiokafka consumer group, not a faust agent: the archiver's one guarantee is
+"commit an offset only after the objects holding everything before it are durable". A faust
+agent commits on its own schedule (and, with exactly-once processing, inside a Kafka
+transaction whose side effects to S3 are not part of it): an offset could be committed for
+rows still in a local buffer, and a crash would lose them. A plain consumer with
+``enable_auto_commit=False`` lets the shell commit exactly when the batch's objects, index and
+marker are written. Exactly-once into the store then comes from the object keys: they are
+derived from (topic, partition, first offset, last offset), and a crash between upload and
+commit replays the same batch boundary (the batch marker + ``ArchiveBatcher.expect``), so the
+same keys are overwritten with the same rows. Readers never see partial objects (complete
+object PUTs / atomic renames).
+
+Structure: :class:`ArchiveShell` is the synchronous part (decode, spool, batcher decisions,
+Parquet writes, uploads); :func:`run_archiver` is the asyncio loop that polls Kafka, runs the
+shell in a single worker thread (keeping the event loop responsive for heartbeats), publishes
+dead letters, and commits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import re
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from trajbus.archive.core import ArchiveBatcher, Flush
+from trajbus.archive.rows import decode_as_written, decoded_to_row, row_nbytes
+from trajbus.archive.spool import Spool, clear_spool_dir
+from trajbus.archive.storage import ObjectStore, open_store
+from trajbus.archive.writer import ArchiveWriter, BatchResult
+from trajbus.bus.settings import ArchiveSettings, Settings
+from trajbus.bus.topics import Topics, validate_name
+from trajbus.schemas.codec import Codec, DecodeError, default_codec
+
+log = logging.getLogger(__name__)
+
+DeadLetterFn = Callable[[str, int, int, bytes | None, bytes, str, str], Awaitable[None] | None]
+"""``dead_letter(topic, partition, offset, key, value, reason_code, reason)``"""
+
+
+class SourceRecord(Protocol):
+    """What the shell needs of a consumed record (aiokafka's ConsumerRecord fits)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    reason_code: str
+    reason: str
+
+
+@dataclass
+class StepResult:
+    batches: list[BatchResult] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+
+
+@dataclass
+class ArchiverStats:
+    records: int = 0
+    rows: int = 0
+    dead_letters: int = 0
+    batches: int = 0
+    objects: int = 0
+    committed: dict[str, int] = field(default_factory=dict)  # "topic:partition" -> offset
+
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+class ArchiveShell:
+    """Decode, spool, batch and write. Not thread-safe: call from one thread at a time."""
+
+    def __init__(self, store: ObjectStore, cfg: ArchiveSettings, codec: Codec | None = None,
+                 spool_dir: str | None = None) -> None:
+        self.store = store
+        self.codec = codec or default_codec()
+        self.batcher = ArchiveBatcher(cfg.target_object_bytes, cfg.max_open_ms)
+        self.writer = ArchiveWriter(store, row_group_rows=cfg.row_group_rows)
+        self.spool_dir = Path(spool_dir or cfg.spool_dir)
+        clear_spool_dir(self.spool_dir)
+        self._spools: dict[tuple[str, int], Spool] = {}
+        self.watermark_ms: int | None = None
+        self.rows = 0
+
+    def _spool(self, topic: str, partition: int) -> Spool:
+        tp = (topic, partition)
+        s = self._spools.get(tp)
+        if s is None:
+            s = self._spools[tp] = Spool(self.spool_dir, f"{_SAFE.sub('_', topic)}-{partition}")
+        return s
+
+    def process(self, records: Iterable[SourceRecord]) -> StepResult:
+        out = StepResult()
+        for rec in records:
+            value = rec.value or b""
+            try:
+                decoded = decode_as_written(self.codec, value)
+                h = decoded.header
+                if decoded.kind == "Tick":  # processors' clock marks, not sandbox data
+                    self._run(self.batcher.skip(rec.topic, rec.partition, rec.offset), out)
+                    continue
+                validate_name("task", h["task"])
+                validate_name("sandbox", h["sandbox"])
+            except DecodeError as exc:
+                out.rejected.append(Rejected(rec.topic, rec.partition, rec.offset, rec.key,
+                                             value, exc.reason_code, str(exc)))
+                self._run(self.batcher.skip(rec.topic, rec.partition, rec.offset), out)
+                continue
+            except (ValueError, KeyError, TypeError) as exc:
+                out.rejected.append(Rejected(rec.topic, rec.partition, rec.offset, rec.key,
+                                             value, "invalid_header", f"{type(exc).__name__}: "
+                                             f"{exc}"))
+                self._run(self.batcher.skip(rec.topic, rec.partition, rec.offset), out)
+                continue
+            row = decoded_to_row(decoded, rec.topic, rec.partition, rec.offset)
+            t = int(h["event_time_ms"])
+            self._spool(rec.topic, rec.partition).append(row)
+            self.rows += 1
+            self._run(self.batcher.add(rec.topic, rec.partition, rec.offset, t,
+                                       row_nbytes(row)), out)
+            if self.watermark_ms is None or t > self.watermark_ms:
+                self.watermark_ms = t
+        if self.watermark_ms is not None:
+            self._run(self.batcher.tick(self.watermark_ms), out)
+        return out
+
+    def flush_all(self) -> StepResult:
+        out = StepResult()
+        self._run(self.batcher.flush(), out)
+        return out
+
+    def _run(self, flushes: list[Flush], out: StepResult) -> None:
+        for f in flushes:
+            table = self._spool(f.topic, f.partition).take(f.last_offset)
+            out.batches.append(self.writer.write_batch(table, f.topic, f.partition,
+                                                       f.first_offset, f.last_offset))
+
+    def assigned(self, topic: str, partition: int, committed: int) -> list[tuple[int, int]]:
+        """A partition was assigned; consumption resumes at ``committed``. Replays batch
+        boundaries recorded (uploaded) but not committed before a crash."""
+        self.revoked(topic, partition)
+        self.batcher.reset_position(topic, partition, committed)
+        pending = self.writer.pending_batches(topic, partition, committed)
+        for first, last in pending:
+            self.batcher.expect(topic, partition, first, last)
+        return pending
+
+    def revoked(self, topic: str, partition: int) -> None:
+        self.batcher.drop(topic, partition)
+        s = self._spools.pop((topic, partition), None)
+        if s is not None:
+            s.discard()
+
+    def committed(self, results: list[BatchResult]) -> None:
+        for r in results:
+            self.writer.clear_marker(r)
+
+
+def kafka_dead_letter(settings: Settings, stage: str = "archiver") -> DeadLetterFn:
+    """A dead-letter callback publishing to ``Topics.deadletter`` with the shared producer."""
+    from trajbus.bus.deadletter import count, dead_letter_event
+    from trajbus.bus.producer import get_producer
+
+    topic = Topics(settings).deadletter
+
+    async def send(src_topic: str, partition: int, offset: int, key: bytes | None,
+                   value: bytes, reason_code: str, reason: str) -> None:
+        producer = await get_producer(settings.kafka)
+        ev = dead_letter_event(stage=stage, reason_code=reason_code, reason=reason,
+                               source_topic=src_topic, source_partition=partition,
+                               source_offset=offset, key=key, value=value,
+                               producer_id=f"{settings.kafka.client_id}-{stage}")
+        await (await producer.send(topic, ev.encode(), key=key))
+        count(stage, reason_code)
+
+    return send
+
+
+async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = None, *,
+                       store: ObjectStore | None = None,
+                       dead_letter: DeadLetterFn | None = None,
+                       until_idle: bool = False,
+                       group_id: str | None = None,
+                       topics: list[str] | None = None,
+                       codec: Codec | None = None,
+                       poll_timeout_ms: int = 500,
+                       assignment_timeout_s: float = 60.0) -> ArchiverStats:
+    """Archive the raw event topics until ``stop_event`` is set (or, with ``until_idle``,
+    until every assigned partition is caught up with its end offset at start). On exit the
+    open batches are flushed and committed."""
+    from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+
+    from trajbus.bus.kafka import connection_options
+
+    cfg = settings.archive
+    catalog = Topics(settings)
+    topics = topics or catalog.input_topics
+    group_id = group_id or f"{catalog.prefix}.archiver"
+    if store is None:
+        store = await asyncio.to_thread(open_store, cfg.url, cfg.s3_endpoint_url)
+    stop_event = stop_event or asyncio.Event()
+    dead = dead_letter or kafka_dead_letter(settings)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archiver")
+    loop = asyncio.get_running_loop()
+    shell = await loop.run_in_executor(executor, lambda: ArchiveShell(store, cfg, codec))
+    stats = ArchiverStats()
+
+    consumer = AIOKafkaConsumer(
+        **connection_options(settings.kafka),
+        client_id=f"{settings.kafka.client_id}-archiver",
+        group_id=group_id,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        isolation_level="read_committed",
+        max_partition_fetch_bytes=max(settings.topics.max_message_bytes, 1_048_576),
+        fetch_max_bytes=max(4 * settings.topics.max_message_bytes, 52_428_800),
+    )
+
+    async def call_shell(fn: Callable[..., Any], *args: Any) -> Any:
+        return await loop.run_in_executor(executor, fn, *args)
+
+    class Listener(ConsumerRebalanceListener):
+        async def on_partitions_revoked(self, revoked: Any) -> None:
+            for tp in revoked:
+                await call_shell(shell.revoked, tp.topic, tp.partition)
+
+        async def on_partitions_assigned(self, assigned: Any) -> None:
+            for tp in assigned:
+                committed = await consumer.committed(tp)
+                if committed is None:
+                    committed = (await consumer.beginning_offsets([tp]))[tp]
+                pending = await call_shell(shell.assigned, tp.topic, tp.partition, committed)
+                if pending:
+                    log.info("replaying %d uncommitted batch boundaries of %s-%d",
+                             len(pending), tp.topic, tp.partition)
+
+    async def finish(step: StepResult) -> None:
+        for r in step.rejected:
+            res = dead(r.topic, r.partition, r.offset, r.key, r.value, r.reason_code, r.reason)
+            if inspect.isawaitable(res):
+                await res
+            stats.dead_letters += 1
+        if not step.batches:
+            return
+        offsets: dict[Any, int] = {}
+        for b in step.batches:
+            tp = TopicPartition(b.topic, b.partition)
+            offsets[tp] = max(offsets.get(tp, 0), b.last_offset + 1)
+            stats.batches += 1
+            stats.objects += len(b.objects)
+        await consumer.commit(offsets)
+        for tp, off in offsets.items():
+            stats.committed[f"{tp.topic}:{tp.partition}"] = off
+        await call_shell(shell.committed, step.batches)
+
+    await consumer.start()
+    try:
+        consumer.subscribe(topics, listener=Listener())
+        ends: dict[Any, int] = {}
+        waited = 0.0
+        while not stop_event.is_set():
+            polled = await consumer.getmany(timeout_ms=poll_timeout_ms)
+            records = [r for batch in polled.values() for r in batch]
+            stats.records += len(records)
+            step = await call_shell(shell.process, records)
+            await finish(step)
+            if until_idle:
+                assignment = consumer.assignment()
+                if not assignment:
+                    waited += poll_timeout_ms / 1000
+                    if waited > assignment_timeout_s:
+                        raise TimeoutError(f"no partitions of {topics} assigned to group "
+                                           f"{group_id} within {assignment_timeout_s:.0f}s")
+                    continue
+                missing = [tp for tp in assignment if tp not in ends]
+                if missing:
+                    ends.update(await consumer.end_offsets(missing))
+                tps = sorted(assignment)
+                positions = [await consumer.position(tp) for tp in tps]
+                if all(pos >= ends[tp] for pos, tp in zip(positions, tps, strict=True)):
+                    break
+        await finish(await call_shell(shell.flush_all))
+    finally:
+        try:
+            await consumer.stop()
+        finally:
+            executor.shutdown(wait=True)
+    stats.rows = shell.rows
+    return stats

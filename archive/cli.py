@@ -1,0 +1,225 @@
+"""``trajbus archive ...``: run the archiver, read episodes, SQL, compaction, retention.
+
+The lead wires :func:`register` into the main CLI::
+
+    sub = parser.add_subparsers(...)
+    trajbus.archive.cli.register(sub)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import signal
+import sys
+import time
+from typing import Any
+
+ARCHIVE_HELP = """\
+The Parquet archive of every sandbox event and trace chunk.
+
+Layout (local directory or s3://bucket/prefix, set TRAJBUS_ARCHIVE__URL):
+  events/date=YYYY-MM-DD/hour=HH/task=T/<topic>-<partition>-<first>-<last>-hHH.parquet
+  index/date=YYYY-MM-DD/task=T/<same name>   one row per (task, sandbox, episode, object)
+Rows are sorted by (sandbox, episode, seq) inside each object. Every kind of event shares one
+schema: header columns, typed columns (tool, status, state, outcome, ...), payload_json for
+the rest, data for trace chunk bytes, and the Kafka source position.
+
+Examples:
+  trajbus archive run --until-idle
+  trajbus archive episode --task web --sandbox sb-17 --episode ep-3 --trace-out ep3.trace
+  trajbus archive sql "SELECT tool, count(*) FROM events WHERE task='web' GROUP BY tool"
+  trajbus archive sql "SELECT * FROM episodes WHERE completeness <> 'complete'"
+  trajbus archive compact --dry-run
+  trajbus archive retention --days 90 --dry-run
+"""
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``archive`` command (and its subcommands) to an argparse subparsers object."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "archive", help="the Parquet archive: run the archiver, query, compact, retention",
+        description=ARCHIVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="archive location (default: TRAJBUS_ARCHIVE__URL, "
+                   "'.trajbus/archive'); a directory or s3://bucket/prefix")
+    p.add_argument("--endpoint-url", help="S3 endpoint for non-AWS stores (MinIO, moto); "
+                   "default TRAJBUS_ARCHIVE__S3_ENDPOINT_URL")
+    sub = p.add_subparsers(dest="archive_cmd", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="consume the raw event topics into the archive",
+                       description="Consume sandbox events and trace chunks (consumer group "
+                       "'<prefix>.archiver'), write Parquet objects + index, and commit offsets "
+                       "only after the objects are durable. Stops on SIGINT/SIGTERM after "
+                       "flushing open batches.")
+    r.add_argument("--until-idle", "--once", action="store_true", dest="until_idle",
+                   help="stop once caught up with the end offsets seen at start (demo, tests)")
+    r.set_defaults(archive_func=_cmd_run)
+
+    e = sub.add_parser("episode", help="print one episode's events in sequence order",
+                       description="Find the episode through the index, read only its row "
+                       "groups, print its events ordered by seq (duplicates removed).")
+    e.add_argument("--task", required=True)
+    e.add_argument("--sandbox", required=True)
+    e.add_argument("--episode", help="episode id; omit for the sandbox's lifecycle stream")
+    e.add_argument("--json", action="store_true", help="one JSON object per line (bytes as "
+                   "base64) instead of a table")
+    e.add_argument("--trace-out", metavar="FILE", help="also reassemble the episode's trace "
+                   "file from its TraceChunk events into FILE")
+    e.set_defaults(archive_func=_cmd_episode)
+
+    s = sub.add_parser("sql", help="run SQL with DuckDB over the archive",
+                       description="DuckDB with two views: 'events' (every archived event, plus "
+                       "date and hour) and 'episodes' (the index: one row per task, sandbox, "
+                       "episode and object, with seq range, counts, completeness). Filter on "
+                       "task, date, sandbox and episode to let row-group statistics prune.")
+    s.add_argument("query", help='e.g. "SELECT kind, count(*) FROM events GROUP BY kind"')
+    s.add_argument("--json", action="store_true", help="JSON lines output")
+    s.set_defaults(archive_func=_cmd_sql)
+
+    c = sub.add_parser("compact", help="merge small objects; swap them in atomically",
+                       description="Merge small objects of each (date, hour, task) into large "
+                       "ones, then switch the manifest pointer in one write: readers see the old "
+                       "set or the new set, never both. Replaced objects are deleted by a later "
+                       "run once --grace-seconds have passed.")
+    c.add_argument("--target-mb", type=float, default=None,
+                   help="output object size (default: TRAJBUS_ARCHIVE__TARGET_OBJECT_BYTES)")
+    c.add_argument("--min-age-hours", type=float, default=2.0,
+                   help="leave hours younger than this alone (default 2)")
+    c.add_argument("--grace-seconds", type=float, default=3600.0,
+                   help="delete replaced objects only this long after the switch (default 3600)")
+    c.add_argument("--task", help="only this task")
+    c.add_argument("--dry-run", action="store_true", help="report, change nothing")
+    c.set_defaults(archive_func=_cmd_compact)
+
+    t = sub.add_parser("retention", help="delete archive partitions older than N days",
+                       description="Delete data and index objects whose date partition is older "
+                       "than N days (UTC). Use --dry-run first: it lists and deletes nothing.")
+    t.add_argument("--days", type=int, default=None,
+                   help="keep this many days (default TRAJBUS_ARCHIVE__RETENTION_DAYS)")
+    t.add_argument("--dry-run", action="store_true", help="list what would be deleted")
+    t.set_defaults(archive_func=_cmd_retention)
+    p.set_defaults(func=_dispatch)
+    return p
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    rc: int = args.archive_func(args)
+    return rc
+
+
+def _settings() -> Any:
+    from trajbus.bus.settings import get_settings
+
+    return get_settings()
+
+
+def _store(args: argparse.Namespace) -> Any:
+    from trajbus.archive.storage import StoreConfigError, open_store
+
+    cfg = _settings().archive
+    try:
+        return open_store(args.url or cfg.url, args.endpoint_url or cfg.s3_endpoint_url)
+    except StoreConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from trajbus.archive.archiver import run_archiver
+
+    settings = _settings()
+    store = _store(args)
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        stats = await run_archiver(settings, stop, store=store, until_idle=args.until_idle)
+        print(json.dumps({"records": stats.records, "rows": stats.rows,
+                          "dead_letters": stats.dead_letters, "batches": stats.batches,
+                          "objects": stats.objects, "committed": stats.committed}))
+        return 0
+
+    return asyncio.run(main())
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, bytes):
+        return base64.b64encode(v).decode("ascii")
+    return v
+
+
+def _cmd_episode(args: argparse.Namespace) -> int:
+    from trajbus.archive.query import ArchiveReader, reassemble_trace
+
+    reader = ArchiveReader(_store(args))
+    table = reader.episode(args.task, args.sandbox, args.episode)
+    if table.num_rows == 0:
+        print(f"no archived events for task={args.task} sandbox={args.sandbox} "
+              f"episode={args.episode}", file=sys.stderr)
+        return 1
+    rows = table.to_pylist()
+    if args.json:
+        for r in rows:
+            print(json.dumps({k: _jsonable(v) for k, v in r.items()}, sort_keys=True))
+    else:
+        for r in rows:
+            detail = r.get("tool") or r.get("state") or r.get("outcome") or ""
+            size = f" {len(r['data'])}B" if r.get("data") is not None else ""
+            print(f"{r['seq']:>8} {r['event_time_ms']} {r['kind']:<16} {detail}{size}")
+    if args.trace_out:
+        data, missing = reassemble_trace(rows)
+        with open(args.trace_out, "wb") as fh:
+            fh.write(data)
+        print(f"wrote {len(data)} bytes to {args.trace_out}"
+              + (f"; {len(missing)} chunks are claim-check blobs: {missing[:3]}" if missing
+                 else ""), file=sys.stderr)
+    return 0
+
+
+def _cmd_sql(args: argparse.Namespace) -> int:
+    from trajbus.archive.query import ArchiveReader
+
+    con = ArchiveReader(_store(args)).connect()
+    cur = con.execute(args.query)
+    cols = [d[0] for d in cur.description] if cur.description else []
+    rows = cur.fetchall()
+    if args.json:
+        for row in rows:
+            print(json.dumps({c: _jsonable(v) for c, v in zip(cols, row, strict=True)},
+                             default=str))
+    else:
+        print("\t".join(cols))
+        for row in rows:
+            print("\t".join("" if v is None else str(_jsonable(v)) for v in row))
+    return 0
+
+
+def _cmd_compact(args: argparse.Namespace) -> int:
+    from trajbus.archive.maintenance import compact
+
+    cfg = _settings().archive
+    target = int(args.target_mb * 1024 * 1024) if args.target_mb else cfg.target_object_bytes
+    rep = compact(_store(args), target_bytes=target, min_age_ms=int(args.min_age_hours * 3.6e6),
+                  grace_ms=int(args.grace_seconds * 1000), row_group_rows=cfg.row_group_rows,
+                  dry_run=args.dry_run, task=args.task, now_ms=int(time.time() * 1000))
+    print(json.dumps({"generation": rep.generation, "groups": rep.groups,
+                      "inputs": len(rep.inputs), "outputs": rep.outputs, "rows": rep.rows,
+                      "purged": len(rep.purged), "orphans": len(rep.orphans),
+                      "dry_run": rep.dry_run}))
+    return 0
+
+
+def _cmd_retention(args: argparse.Namespace) -> int:
+    from trajbus.archive.maintenance import retention
+
+    days = args.days if args.days is not None else _settings().archive.retention_days
+    keys = retention(_store(args), days, dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    for k in keys:
+        print(k)
+    print(f"{verb} {len(keys)} objects older than {days} days", file=sys.stderr)
+    return 0

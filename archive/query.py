@@ -1,0 +1,219 @@
+"""Reading the archive: one episode through the index, SQL over everything with DuckDB.
+
+Every read first resolves the compaction manifest once (``manifest.read_manifest``), so a
+query sees one consistent set of objects even while compaction swaps objects underneath it.
+
+* :meth:`ArchiveReader.episode` reads the index rows of the task, then only the row groups
+  the index names (``ParquetFile.read_row_groups``), and returns the episode's events sorted
+  by ``seq`` with duplicates (same seq) removed.
+* :meth:`ArchiveReader.connect` returns a DuckDB connection with two views: ``events`` (the
+  archived rows plus ``date`` and ``hour`` from the directory layout) and ``episodes`` (the
+  index rows). Local archives are read with DuckDB's own Parquet reader; S3 archives through
+  pyarrow datasets on ``pyarrow.fs.S3FileSystem`` (no httpfs extension download needed).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from trajbus.archive import layout
+from trajbus.archive.index import INDEX_SCHEMA
+from trajbus.archive.manifest import Manifest, live_objects, read_manifest
+from trajbus.archive.rows import ARCHIVE_SCHEMA
+from trajbus.archive.storage import LocalStore, ObjectStore
+from trajbus.bus.topics import validate_name
+
+
+def _dedupe_sorted(table: pa.Table, key: str = "seq") -> pa.Table:
+    """Keep the first row of each run of equal ``key`` values (table sorted by key)."""
+    if table.num_rows < 2:
+        return table
+    values = table.column(key).to_pylist()
+    keep = [0] + [i for i in range(1, len(values)) if values[i] != values[i - 1]]
+    return table if len(keep) == len(values) else table.take(pa.array(keep, pa.int64()))
+
+
+class ArchiveReader:
+    """Read access to an archive store (local directory or S3)."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+
+    def manifest(self) -> Manifest:
+        return read_manifest(self.store)
+
+    # -- index -----------------------------------------------------------------------------
+    def index(self, task: str | None = None, date_from: str | None = None,
+              date_to: str | None = None, manifest: Manifest | None = None) -> pa.Table:
+        """The index rows of live objects (optionally one task and a date range)."""
+        if task is not None:
+            validate_name("task", task)
+        m = manifest or self.manifest()
+        files = live_objects(self.store, m, "index", task=task, dates=(date_from, date_to))
+        if not files:
+            return INDEX_SCHEMA.empty_table()
+        fs, base = self.store.arrow_filesystem()
+        paths = [f"{base}/{info.key}" for _, info in files]
+        return ds.dataset(paths, schema=INDEX_SCHEMA, format="parquet",
+                          filesystem=fs).to_table()
+
+    def episode_index(self, task: str, sandbox: str, episode: str | None,
+                      manifest: Manifest | None = None) -> pa.Table:
+        validate_name("sandbox", sandbox)
+        idx = self.index(task, manifest=manifest)
+        mask = pc.equal(idx.column("sandbox"), sandbox)
+        ep = idx.column("episode")
+        mask = pc.and_(mask, pc.is_null(ep) if episode is None else pc.equal(ep, episode))
+        return idx.filter(mask).sort_by([("first_seq", "ascending"),
+                                         ("object_key", "ascending")])
+
+    # -- one episode -----------------------------------------------------------------------
+    def episode(self, task: str, sandbox: str, episode: str | None,
+                columns: list[str] | None = None) -> pa.Table:
+        """The episode's archived events in seq order (no duplicates), via the index and only
+        the row groups it names. ``episode=None`` reads the sandbox's lifecycle stream.
+
+        If an object vanished under the read (a compaction purge with a grace period shorter
+        than this read), the manifest is resolved again and the read retried."""
+        for attempt in range(3):
+            try:
+                return self._episode_once(task, sandbox, episode, columns)
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _episode_once(self, task: str, sandbox: str, episode: str | None,
+                      columns: list[str] | None) -> pa.Table:
+        m = self.manifest()
+        idx = self.episode_index(task, sandbox, episode, manifest=m)
+        by_object: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for r in idx.select(["object_key", "row_group_first", "row_group_last"]).to_pylist():
+            by_object[r["object_key"]].append((r["row_group_first"], r["row_group_last"]))
+        cols = columns_with_keys(columns)
+
+        def read(item: tuple[str, list[tuple[int, int]]]) -> pa.Table:
+            key, ranges = item
+            groups = sorted({g for lo, hi in ranges for g in range(lo, hi + 1)})
+            with self.store.open_input(key) as f:
+                return pq.ParquetFile(f).read_row_groups(groups, columns=cols)
+
+        items = sorted(by_object.items())
+        if len(items) > 1:  # an episode spanning objects: read them concurrently
+            with ThreadPoolExecutor(max_workers=min(8, len(items))) as pool:
+                parts = list(pool.map(read, items))
+        else:
+            parts = [read(i) for i in items]
+        return _select_episode(parts, sandbox, episode, columns)
+
+    def scan_episode(self, task: str, sandbox: str, episode: str | None) -> pa.Table:
+        """The same result as :meth:`episode` by scanning every live object of the task (for
+        verification and benchmarks)."""
+        m = self.manifest()
+        parts = []
+        for _, info in live_objects(self.store, m, "events", task=task):
+            with self.store.open_input(info.key) as f:
+                parts.append(pq.read_table(f, schema=ARCHIVE_SCHEMA))
+        return _select_episode(parts, sandbox, episode, None)
+
+    # -- SQL -------------------------------------------------------------------------------
+    def connect(self, database: str = ":memory:") -> Any:
+        """A DuckDB connection with views ``events`` and ``episodes`` over the live objects."""
+        import duckdb
+
+        m = self.manifest()
+        con = duckdb.connect(database)
+        events = [info.key for _, info in live_objects(self.store, m, "events")]
+        index = [info.key for _, info in live_objects(self.store, m, "index")]
+        if isinstance(self.store, LocalStore):
+            _local_view(con, "events", [self.store.duckdb_path(k) for k in events],
+                        ARCHIVE_SCHEMA, hive=True)
+            _local_view(con, "episodes", [self.store.duckdb_path(k) for k in index],
+                        INDEX_SCHEMA, hive=False)
+        else:
+            fs, base = self.store.arrow_filesystem()
+            part = ds.partitioning(pa.schema([("date", pa.string()), ("hour", pa.string())]),
+                                   flavor="hive")
+            if events:
+                ev = ds.dataset([f"{base}/{k}" for k in events], format="parquet",
+                                filesystem=fs, partitioning=part,
+                                partition_base_dir=f"{base}/{layout.EVENTS.rstrip('/')}",
+                                schema=ARCHIVE_SCHEMA.append(pa.field("date", pa.string()))
+                                .append(pa.field("hour", pa.string())))
+            else:
+                ev = ds.dataset(ARCHIVE_SCHEMA.empty_table())
+            ix = (ds.dataset([f"{base}/{k}" for k in index], format="parquet", filesystem=fs,
+                             schema=INDEX_SCHEMA) if index
+                  else ds.dataset(INDEX_SCHEMA.empty_table()))
+            con.register("_events_ds", ev)
+            con.register("_episodes_ds", ix)
+            con.execute("CREATE VIEW events AS SELECT * FROM _events_ds")
+            con.execute("CREATE VIEW episodes AS SELECT * FROM _episodes_ds")
+        return con
+
+
+def columns_with_keys(columns: list[str] | None) -> list[str] | None:
+    if columns is None:
+        return None
+    return list(dict.fromkeys([*columns, "sandbox", "episode", "seq", "kafka_offset"]))
+
+
+def _select_episode(parts: list[pa.Table], sandbox: str, episode: str | None,
+                    columns: list[str] | None) -> pa.Table:
+    if not parts:
+        t = ARCHIVE_SCHEMA.empty_table()
+        return t.select(columns) if columns else t
+    t = pa.concat_tables(parts)
+    mask = pc.equal(t.column("sandbox"), sandbox)
+    ep = t.column("episode")
+    mask = pc.and_(mask, pc.is_null(ep) if episode is None else pc.equal(ep, episode))
+    t = t.filter(mask).sort_by([("seq", "ascending"), ("kafka_offset", "ascending")])
+    t = _dedupe_sorted(t)
+    return t.select(columns) if columns else t
+
+
+def _local_view(con: Any, name: str, paths: list[str], schema: pa.Schema, hive: bool) -> None:
+    if not paths:
+        empty = schema.empty_table()
+        if hive:
+            empty = empty.append_column("date", pa.array([], pa.date32())).append_column(
+                "hour", pa.array([], pa.int64()))
+        con.register(f"_{name}_empty", empty)
+        con.execute(f"CREATE VIEW {name} AS SELECT * FROM _{name}_empty")
+        return
+    listing = ", ".join("'" + p.replace("'", "''") + "'" for p in paths)
+    con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet([{listing}], "
+                f"hive_partitioning={'true' if hive else 'false'})")
+
+
+def reassemble_trace(events: pa.Table | Iterable[dict[str, Any]]) -> tuple[bytes, list[str]]:
+    """Rebuild an episode's trace file from its TraceChunk events (seq order). Returns the
+    bytes and the claim-check URIs of chunks not stored inline (fetch them separately).
+    A chunk with ``reset`` set restarts the file (the trace was truncated or replaced)."""
+    rows = events.to_pylist() if isinstance(events, pa.Table) else list(events)
+    buf = bytearray()
+    missing: list[str] = []
+    for r in sorted((r for r in rows if r.get("kind") == "TraceChunk"),
+                    key=lambda r: r["seq"]):
+        payload = json.loads(r["payload_json"]) if r.get("payload_json") else {}
+        if payload.get("reset"):
+            del buf[:]
+        off = int(r.get("file_offset") or 0)
+        data = r.get("data")
+        if data is None:
+            if r.get("blob_uri"):
+                missing.append(r["blob_uri"])
+            continue
+        if len(buf) < off:
+            buf.extend(b"\x00" * (off - len(buf)))
+        buf[off:off + len(data)] = data
+    return bytes(buf), missing

@@ -1,0 +1,234 @@
+"""Flattening decoded events into one Arrow schema shared by every event kind.
+
+One schema for all kinds and all schema versions means a schema change never splits files:
+
+* header columns (``event_id, task, sandbox, episode, seq, event_time_ms, producer_id,
+  policy_version, kind``);
+* typed columns for the fields the data team filters on (tool calls, results, lifecycle,
+  episode outcome, trace chunk position);
+* ``payload_json``: every other field of the record as canonical JSON (sorted keys; bytes as
+  ``{"$b64": "..."}``), including fields added by a newer schema version;
+* ``data``: a trace chunk's inline bytes (binary); ``blob_uri``: its claim-check reference;
+* ``kafka_topic, kafka_partition, kafka_offset``: the source position (the exactly-once key).
+
+:data:`ARCHIVE_SCHEMA` is fixed; :func:`to_row` never adds columns. :func:`row_to_record`
+reverses the flattening for one row (typed columns + payload_json + data -> the record dict).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import pyarrow as pa
+from fastavro import parse_schema, schemaless_reader
+
+from trajbus.schemas.codec import HEADER_LEN, Codec, CorruptBodyError, Decoded
+
+HEADER_FIELDS: tuple[tuple[str, pa.DataType], ...] = (
+    ("event_id", pa.string()),
+    ("task", pa.string()),
+    ("sandbox", pa.string()),
+    ("episode", pa.string()),
+    ("seq", pa.int64()),
+    ("event_time_ms", pa.int64()),
+    ("producer_id", pa.string()),
+    ("policy_version", pa.int64()),
+)
+
+# Typed columns: a record field of this name (any kind) lands here instead of payload_json.
+TYPED_FIELDS: tuple[tuple[str, pa.DataType], ...] = (
+    ("tool", pa.string()),
+    ("call_id", pa.string()),
+    ("args_hash", pa.string()),
+    ("result_hash", pa.string()),
+    ("status", pa.string()),
+    ("duration_ms", pa.int64()),
+    ("state", pa.string()),
+    ("previous_state", pa.string()),
+    ("node", pa.string()),
+    ("tenant", pa.string()),
+    ("outcome", pa.string()),
+    ("reward", pa.float64()),
+    ("reason", pa.string()),
+    ("file_offset", pa.int64()),
+    ("length", pa.int64()),
+    ("sha256", pa.string()),
+)
+
+ARCHIVE_SCHEMA = pa.schema(
+    [pa.field(n, t) for n, t in HEADER_FIELDS]
+    + [pa.field("kind", pa.string(), nullable=False)]
+    + [pa.field(n, t) for n, t in TYPED_FIELDS]
+    + [
+        pa.field("payload_json", pa.string()),
+        pa.field("data", pa.binary()),
+        pa.field("blob_uri", pa.string()),
+        pa.field("kafka_topic", pa.string()),
+        pa.field("kafka_partition", pa.int32()),
+        pa.field("kafka_offset", pa.int64()),
+    ],
+    metadata={b"trajbus.archive.schema": b"1"},
+)
+COLUMNS: tuple[str, ...] = tuple(ARCHIVE_SCHEMA.names)
+_HEADER_NAMES = tuple(n for n, _ in HEADER_FIELDS)
+_TYPED = dict(TYPED_FIELDS)
+_INT_TYPES = {n for n, t in TYPED_FIELDS if pa.types.is_integer(t)}
+_FLOAT_TYPES = {n for n, t in TYPED_FIELDS if pa.types.is_floating(t)}
+# Per-row overhead estimate (offsets, validity, fixed-width columns) for size accounting.
+_ROW_OVERHEAD = 160
+
+Row = dict[str, Any]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return {"$b64": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _unjson(value: Any) -> Any:
+    if isinstance(value, dict):
+        if len(value) == 1 and "$b64" in value:
+            return base64.b64decode(value["$b64"])
+        return {k: _unjson(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unjson(v) for v in value]
+    return value
+
+
+def _typed(name: str, value: Any) -> Any:
+    """Coerce a value for a typed column, or return the sentinel ``_MISFIT`` to keep it JSON."""
+    if value is None:
+        return None
+    if name in _INT_TYPES:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _MISFIT
+    if name in _FLOAT_TYPES:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return _MISFIT
+        return float(value)
+    return value if isinstance(value, str) else _MISFIT
+
+
+_MISFIT = object()
+
+
+def to_row(kind: str, record: Mapping[str, Any], topic: str, partition: int,
+           offset: int) -> Row:
+    """Flatten one decoded record (``{"header": {...}, ...}``) into an archive row.
+
+    Unknown fields (a newer schema) and fields whose type does not fit their typed column go
+    to ``payload_json``; the row always has exactly :data:`COLUMNS`.
+    """
+    header = record["header"]
+    row: Row = {n: header.get(n) for n in _HEADER_NAMES}
+    row["kind"] = kind
+    for name in _TYPED:
+        row[name] = None
+    rest: dict[str, Any] = {}
+    data: bytes | None = None
+    blob_uri: str | None = None
+    for name, value in record.items():
+        if name == "header":
+            continue
+        if name in _TYPED:
+            v = _typed(name, value)
+            if v is not _MISFIT:
+                row[name] = v
+                continue
+        if kind == "TraceChunk" and name == "data" and isinstance(value, bytes | bytearray):
+            data = bytes(value)
+            continue
+        if name == "blob" and isinstance(value, Mapping) and isinstance(value.get("uri"), str):
+            blob_uri = value["uri"]
+        rest[name] = value
+    # Header fields a newer envelope might add are kept too.
+    extra_header = {k: v for k, v in header.items() if k not in _HEADER_NAMES}
+    if extra_header:
+        rest["$header"] = extra_header
+    row["payload_json"] = (
+        json.dumps(_jsonable(rest), sort_keys=True, separators=(",", ":"), default=str)
+        if rest else None
+    )
+    row["data"] = data
+    row["blob_uri"] = blob_uri
+    row["kafka_topic"] = topic
+    row["kafka_partition"] = partition
+    row["kafka_offset"] = offset
+    return row
+
+
+_READ_SCHEMAS: dict[bytes, Any] = {}
+
+
+def decode_as_written(codec: Codec, data: bytes) -> Decoded:
+    """Decode with the *writer's* schema only, so the archive keeps every field the producer
+    wrote (a newer producer's extra fields included; :meth:`Codec.decode` would project them
+    away onto this version's reader schema). Raises the codec's ``DecodeError`` subclasses."""
+    writer = codec.writer_of(data)
+    parsed = _READ_SCHEMAS.get(writer.fingerprint)
+    if parsed is None:
+        # Parsed *with* fastavro's marker, so schemaless_reader does not re-parse the schema
+        # on every call (the registry's copies are parsed without it: ~2x slower decoding).
+        parsed = _READ_SCHEMAS[writer.fingerprint] = parse_schema(writer.parsed)
+    buf = io.BytesIO(data)
+    buf.seek(HEADER_LEN)
+    try:
+        record = schemaless_reader(buf, parsed, None)
+    except Exception as exc:  # fastavro raises many types on corrupt input
+        raise CorruptBodyError(f"{writer.short_name}: {type(exc).__name__}: {exc}") from exc
+    if buf.tell() != len(data):
+        raise CorruptBodyError(
+            f"{writer.short_name}: {len(data) - buf.tell()} trailing bytes after the record")
+    if not isinstance(record, dict) or not isinstance(record.get("header"), dict):
+        raise CorruptBodyError(f"{writer.short_name}: not a trajbus event record")
+    return Decoded(writer.short_name, record, writer)
+
+
+def decoded_to_row(decoded: Decoded, topic: str, partition: int, offset: int) -> Row:
+    return to_row(decoded.kind, decoded.record, topic, partition, offset)
+
+
+def row_nbytes(row: Row) -> int:
+    """Approximate in-memory (uncompressed) size of a row, for batching decisions."""
+    n = _ROW_OVERHEAD
+    for name in ("event_id", "task", "sandbox", "episode", "producer_id", "payload_json",
+                 "sha256", "args_hash", "result_hash", "tool", "call_id", "reason"):
+        v = row.get(name)
+        if v is not None:
+            n += len(v)
+    d = row.get("data")
+    if d is not None:
+        n += len(d)
+    return n
+
+
+def rows_to_table(rows: Sequence[Row] | Iterable[Row]) -> pa.Table:
+    """Rows (dicts with :data:`COLUMNS`) to a table of :data:`ARCHIVE_SCHEMA`."""
+    return pa.Table.from_pylist(list(rows), schema=ARCHIVE_SCHEMA)
+
+
+def row_to_record(row: Mapping[str, Any]) -> dict[str, Any]:
+    """Rebuild the event record (``{"kind", "header", ...fields}``) from an archive row."""
+    header = {n: row.get(n) for n in _HEADER_NAMES}
+    out: dict[str, Any] = {"kind": row.get("kind")}
+    payload = json.loads(row["payload_json"]) if row.get("payload_json") else {}
+    payload = _unjson(payload)
+    extra_header = payload.pop("$header", None)
+    if isinstance(extra_header, dict):
+        header.update(extra_header)
+    out["header"] = header
+    for name in _TYPED:
+        if row.get(name) is not None:
+            out[name] = row[name]
+    out.update(payload)
+    if row.get("data") is not None:
+        out["data"] = row["data"]
+    return out

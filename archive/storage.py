@@ -1,0 +1,391 @@
+"""Object stores for the archive: a local directory (the embedded default) and S3.
+
+Guarantees, for both implementations:
+
+* **Whole objects only.** A reader sees either no object or the complete object under a key.
+  Locally a put writes a temp file in the target directory and ``os.replace``-s it into place;
+  on S3 a PUT (single or multipart) becomes visible only when it completes.
+* **Keys stay inside the store's prefix.** Keys are relative, '/'-separated, with no empty,
+  '.' or '..' segments and no leading '/'; anything else raises :class:`InvalidKeyError`.
+* **Fail fast.** :func:`open_store` checks the bucket and the credentials at once and raises
+  :class:`StoreConfigError` naming what to set, instead of failing on the first upload.
+
+``open_store("s3://bucket/prefix", endpoint_url)`` or ``open_store("/some/dir")``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import shutil
+import tempfile
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+MULTIPART_THRESHOLD = 16 * 1024 * 1024
+MULTIPART_CHUNK = 16 * 1024 * 1024
+
+
+class StoreError(RuntimeError):
+    """Base of object-store errors."""
+
+
+class StoreConfigError(StoreError):
+    """The store cannot be used as configured (missing bucket, credentials, directory)."""
+
+
+class InvalidKeyError(StoreError, ValueError):
+    """A key would escape the store's prefix or is malformed."""
+
+
+class ObjectNotFoundError(StoreError, KeyError):
+    """No object under that key."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str  # relative to the store's prefix
+    size: int
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative object key, else raise :class:`InvalidKeyError`."""
+    if not key or key.startswith("/") or "\\" in key or "\x00" in key:
+        raise InvalidKeyError(f"invalid object key {key!r}: must be a relative '/'-separated path")
+    for part in key.split("/"):
+        if part in ("", ".", ".."):
+            raise InvalidKeyError(
+                f"invalid object key {key!r}: empty, '.' or '..' segments are not allowed"
+            )
+    return key
+
+
+def _validate_prefix(prefix: str) -> str:
+    """A list prefix may be empty or end with '/'; its segments follow the key rules."""
+    if prefix == "":
+        return prefix
+    validate_key(prefix.rstrip("/") or "x")
+    return prefix
+
+
+class ObjectStore(ABC):
+    """The operations the archive needs from a store. Implementations are thread-safe."""
+
+    url: str
+
+    @abstractmethod
+    def put_file(self, key: str, local_path: str | os.PathLike[str]) -> int:
+        """Upload a complete local file under ``key`` (replacing any object); returns bytes."""
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Store ``data`` under ``key`` atomically (replacing any object)."""
+
+    @abstractmethod
+    def get_bytes(self, key: str) -> bytes:
+        """The object's bytes, or raise :class:`ObjectNotFoundError`."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """All objects whose key starts with ``prefix``, sorted by key."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete ``key``; deleting a missing key is not an error."""
+
+    @abstractmethod
+    def arrow_filesystem(self) -> tuple[pafs.FileSystem, str]:
+        """A pyarrow filesystem and the base path of this store's prefix in it."""
+
+    @abstractmethod
+    def duckdb_path(self, key: str) -> str:
+        """A path DuckDB can read for ``key`` (a local path, or an ``s3://`` URL for httpfs)."""
+
+    def arrow_path(self, key: str) -> str:
+        fs_, base = self.arrow_filesystem()
+        del fs_
+        return f"{base}/{validate_key(key)}" if base else validate_key(key)
+
+    def glob(self, prefix: str, suffix: str = ".parquet") -> builtins.list[str]:
+        """DuckDB-readable paths of the objects under ``prefix`` ending with ``suffix``."""
+        return [self.duckdb_path(o.key) for o in self.list(prefix) if o.key.endswith(suffix)]
+
+    def open_input(self, key: str) -> pa.NativeFile:
+        """A random-access file for ``key`` (Parquet footers and row groups are ranged reads)."""
+        fs_, _ = self.arrow_filesystem()
+        return fs_.open_input_file(self.arrow_path(key))
+
+
+class LocalStore(ObjectStore):
+    """A directory. Puts are temp file + ``os.replace`` in the same directory (atomic)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).absolute()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreConfigError(
+                f"cannot create archive directory {self.root}: {exc}. Set TRAJBUS_ARCHIVE__URL "
+                "to a writable directory or an s3://bucket/prefix URL."
+            ) from exc
+        self.url = str(self.root)
+        self._fs = pafs.LocalFileSystem()
+
+    def _path(self, key: str) -> Path:
+        return self.root / validate_key(key)
+
+    def _atomic_write(self, key: str, write: Any) -> int:
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=dest.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                write(fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            size = os.path.getsize(tmp)
+            os.replace(tmp, dest)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        return size
+
+    def put_file(self, key: str, local_path: str | os.PathLike[str]) -> int:
+        def write(fh: Any) -> None:
+            with open(local_path, "rb") as src:
+                shutil.copyfileobj(src, fh, 1024 * 1024)
+
+        return self._atomic_write(key, write)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._atomic_write(key, lambda fh: fh.write(data))
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError as exc:
+            raise ObjectNotFoundError(key) from exc
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        _validate_prefix(prefix)
+        out: list[ObjectInfo] = []
+        # Walk only the deepest directory the prefix names, then filter by the full prefix.
+        dir_part = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self.root / dir_part if dir_part else self.root
+        if not start.is_dir():
+            return out
+        for dirpath, _dirs, files in os.walk(start):
+            for name in files:
+                if name.startswith(".tmp-"):
+                    continue  # an in-flight atomic write
+                full = os.path.join(dirpath, name)
+                key = os.path.relpath(full, self.root).replace(os.sep, "/")
+                if key.startswith(prefix):
+                    try:
+                        out.append(ObjectInfo(key, os.path.getsize(full)))
+                    except FileNotFoundError:
+                        continue  # deleted while listing
+        out.sort(key=lambda o: o.key)
+        return out
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink()
+        except FileNotFoundError:
+            pass
+
+    def arrow_filesystem(self) -> tuple[pafs.FileSystem, str]:
+        return self._fs, str(self.root)
+
+    def duckdb_path(self, key: str) -> str:
+        return str(self._path(key))
+
+
+class S3Store(ObjectStore):
+    """An S3 bucket and prefix via boto3 (any S3-compatible endpoint via ``endpoint_url``).
+
+    Large files go up as multipart uploads (``upload_file`` + ``TransferConfig``); S3 makes
+    the object visible only when the upload completes, so readers never see a partial one.
+    """
+
+    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None,
+                 client: Any = None) -> None:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        if self.prefix:
+            validate_key(self.prefix)
+        self.endpoint_url = endpoint_url
+        self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        # A fresh session: the credentials resolved now (not cached by an earlier client).
+        self._client = client or boto3.session.Session().client(
+            "s3", endpoint_url=endpoint_url,
+            config=Config(retries={"max_attempts": 5, "mode": "standard"},
+                          max_pool_connections=32),
+        )
+        self._transfer = TransferConfig(
+            multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_CHUNK,
+            max_concurrency=8, use_threads=True,
+        )
+        self._fs: pafs.S3FileSystem | None = None
+        self._fs_lock = threading.Lock()
+
+    # -- fail fast -------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise :class:`StoreConfigError` unless the bucket exists and credentials work."""
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            NoCredentialsError,
+            PartialCredentialsError,
+        )
+
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+        except (NoCredentialsError, PartialCredentialsError) as exc:
+            raise StoreConfigError(
+                f"no AWS credentials for {self.url}: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE / an instance role)"
+            ) from exc
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in ("404", "NoSuchBucket", "NotFound"):
+                raise StoreConfigError(
+                    f"bucket {self.bucket!r} does not exist"
+                    f"{' at ' + self.endpoint_url if self.endpoint_url else ''}: create it, or "
+                    "set TRAJBUS_ARCHIVE__URL=s3://<existing-bucket>/<prefix>"
+                ) from exc
+            if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+                raise StoreConfigError(
+                    f"access to bucket {self.bucket!r} denied ({code}): check AWS_ACCESS_KEY_ID"
+                    " / AWS_SECRET_ACCESS_KEY and the bucket policy"
+                ) from exc
+            raise StoreConfigError(f"cannot reach bucket {self.bucket!r}: {exc}") from exc
+        except BotoCoreError as exc:
+            raise StoreConfigError(
+                f"cannot reach S3 for {self.url} ({type(exc).__name__}: {exc}); set "
+                "TRAJBUS_ARCHIVE__S3_ENDPOINT_URL for a non-AWS endpoint"
+            ) from exc
+
+    # -- keys ------------------------------------------------------------------------------
+    def _k(self, key: str) -> str:
+        validate_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _rel(self, full: str) -> str:
+        return full[len(self.prefix) + 1:] if self.prefix else full
+
+    # -- operations ------------------------------------------------------------------------
+    def put_file(self, key: str, local_path: str | os.PathLike[str]) -> int:
+        self._client.upload_file(str(local_path), self.bucket, self._k(key),
+                                 Config=self._transfer)
+        return os.path.getsize(local_path)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._client.put_object(Bucket=self.bucket, Key=self._k(key), Body=data)
+
+    def get_bytes(self, key: str) -> bytes:
+        from botocore.exceptions import ClientError
+
+        try:
+            resp = self._client.get_object(Bucket=self.bucket, Key=self._k(key))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise ObjectNotFoundError(key) from exc
+            raise
+        body: bytes = resp["Body"].read()
+        return body
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=self._k(key))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+        return True
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        _validate_prefix(prefix)
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        out: list[ObjectInfo] = []
+        paginator = self._client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
+            for obj in page.get("Contents", []):
+                out.append(ObjectInfo(self._rel(obj["Key"]), int(obj["Size"])))
+        out.sort(key=lambda o: o.key)
+        return out
+
+    def delete(self, key: str) -> None:
+        self._client.delete_object(Bucket=self.bucket, Key=self._k(key))
+
+    def arrow_filesystem(self) -> tuple[pafs.FileSystem, str]:
+        with self._fs_lock:
+            if self._fs is None:
+                self._fs = _arrow_s3(self.endpoint_url, self._client)
+        base = f"{self.bucket}/{self.prefix}" if self.prefix else self.bucket
+        return self._fs, base
+
+    def duckdb_path(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._k(key)}"
+
+
+def _arrow_s3(endpoint_url: str | None, client: Any) -> pafs.S3FileSystem:
+    """A pyarrow S3 filesystem with the same endpoint, region and credentials as boto3."""
+    kwargs: dict[str, Any] = {}
+    creds = client._request_signer._credentials  # the credentials boto3 resolved
+    if creds is not None:
+        frozen = creds.get_frozen_credentials()
+        kwargs.update(access_key=frozen.access_key, secret_key=frozen.secret_key)
+        if frozen.token:
+            kwargs["session_token"] = frozen.token
+    region = client.meta.region_name
+    if region:
+        kwargs["region"] = region
+    if endpoint_url:
+        parsed = urlparse(endpoint_url)
+        kwargs["endpoint_override"] = parsed.netloc or parsed.path
+        kwargs["scheme"] = parsed.scheme or "https"
+    return pafs.S3FileSystem(**kwargs)
+
+
+def open_store(url: str, endpoint_url: str | None = None, *, check: bool = True) -> ObjectStore:
+    """Open the store at ``url``: a local directory or ``s3://bucket[/prefix]``.
+
+    With ``check`` (the default) an S3 store verifies bucket and credentials now and raises
+    :class:`StoreConfigError` with what to set.
+    """
+    if url.startswith("s3://"):
+        parsed = urlparse(url)
+        if not parsed.netloc:
+            raise StoreConfigError(f"{url!r} names no bucket: use s3://<bucket>/<prefix>")
+        store = S3Store(parsed.netloc, parsed.path, endpoint_url)
+        if check:
+            store.check()
+        return store
+    if "://" in url:
+        raise StoreConfigError(
+            f"unsupported archive URL {url!r}: use a local directory or s3://bucket/prefix"
+        )
+    return LocalStore(url)

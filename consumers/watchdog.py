@@ -1,0 +1,1171 @@
+"""Watchdog core: catch looping agents in the tool-call stream, leave progressing agents alone.
+
+A pure, deterministic core (no clock, no I/O, no randomness). The Kafka shell feeds it decoded
+event dicts with :meth:`WatchdogCore.handle` and time with :meth:`WatchdogCore.tick` (or
+``Tick`` events through ``handle``), and persists :meth:`WatchdogCore.take_dirty` to a
+changelog. The same input sequence always yields the same outputs, byte for byte, including
+event ids (uuid5 of the evidence).
+
+Streams
+    State is kept per *stream* = (sandbox, episode); key :func:`state_key`. A stream starts with
+    its first ToolCall, ToolResult or EpisodeStart and is dropped on EpisodeEnd, on
+    SandboxLifecycle DRAINING/RECYCLED (all episodes of the sandbox), or when idle for
+    ``evict_idle_ms`` (in :meth:`~WatchdogCore.tick`). Episode events whose ``seq`` is not above
+    the stream's last seen ``seq`` are duplicates (redelivery after a restart) and are ignored.
+
+Call identity
+    A call is ``(tool, args fingerprint)``. The fingerprint is the canonical hash
+    (:mod:`trajbus.consumers.canonical`) with the task's ``ignore_fields`` removed: when
+    ``args_canonical`` is present and mentions an ignored field, it is recomputed from that text;
+    otherwise ``args_hash`` is used (by the event contract it is the SHA-256 of
+    ``args_canonical``). With ``trust_canonical=False`` every ``args_canonical`` is fully
+    re-canonicalised instead. A result is ``(status, result fingerprint)``, computed the same way
+    from ``result_hash``/``result_canonical``; an ERROR with the same body as an OK differs.
+
+Loop rule (per stream, thresholds per task)
+    For every cycle length ``L`` in ``1..max_cycle_length`` the core keeps one *window*: the
+    longest recent run of calls ``c[s..n]`` with ``c[i] == c[i-L]`` for every ``i`` in it whose
+    results did not change too often. The window's *pattern* is ``c[s..s+L-1]``.
+
+    - ``repeat_count`` = completed occurrences of the pattern = ``(n - s + 1) // L``. "The same
+      call repeated 20 times in a row" means 20 consecutive identical calls (L=1), 20
+      consecutive ``A,B`` pairs (L=2), and so on.
+    - ``span_ms`` = latest event time seen in the stream (calls, results and other episode
+      events) minus the event time of call ``s``.
+    - A *result change* is a result whose fingerprint differs from the result of the same
+      cycle position one cycle earlier within the window (or one cycle later, when results
+      arrive out of order); results not received are not evidence either way.
+      ``distinct_results`` in the evidence is this number of changes; so
+      ``loop_max_distinct_results = 0`` ("zero distinct results") means every repetition
+      returned exactly what the previous one at its position returned.
+    - A call with ``c[n] != c[n-L]`` breaks the window: it restarts at ``s = n-L+1`` (the last
+      ``L`` calls become the new candidate). A result change that exceeds
+      ``loop_max_distinct_results`` restarts the window at the later call of the differing pair
+      (so an agent that clicks until the page changes starts from zero, and is only caught if
+      it then stays stuck on the new page for the full thresholds).
+    - The rule fires for ``L`` when ``repeat_count >= loop_min_repeats`` AND
+      ``span_ms >= loop_min_span_ms`` AND ``result changes <= loop_max_distinct_results`` AND the
+      pattern is primitive (not itself a repetition of a shorter pattern, which the shorter
+      cycle length covers). It is evaluated after every ToolCall and ToolResult; the smallest
+      firing ``L`` wins.
+    - Exactly one LOOP alert per loop (plus a TERMINATE/suspicious decision unless
+      ``dry_run``). While it is active nothing else fires for the stream. The loop ends -- one
+      LOOP_ENDED alert -- when its window breaks (a different call), when a result changes
+      beyond the allowance, or when tracking ends (episode end, draining/recycled, idle
+      eviction). A later, new loop (new window) alerts again.
+    - Results are matched to calls by ``call_id`` among the last ``max_cycle_length + 1``
+      calls; a result for an older call is not loop evidence (it only closes the open call).
+
+Stall rule
+    A stream with an open call (a ToolCall without its ToolResult) and no episode event for
+    ``stall_after_ms`` as of ``tick(now_ms)`` gets one STALL alert (never a decision). The next
+    event of the stream re-arms it. Open calls older than the last ``max_cycle_length + 1`` calls
+    are tracked as a counter (a ToolResult with an unknown ``call_id`` decrements it).
+
+Bounded state
+    Per stream: a ring of the last ``max_cycle_length + 1`` calls and one 5-int window per
+    cycle length, whatever the history length. Serialized (``take_dirty``) it is a compact JSON
+    list (~0.5-1 KiB with 3 open calls).
+
+Invalid input never raises: :meth:`~WatchdogCore.handle` returns a :class:`DeadLetterOut`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from trajbus.bus.settings import WatchdogSettings
+from trajbus.consumers.canonical import CanonicalError, Canonicalizer, canonicalizer
+
+__all__ = [
+    "AlertOut",
+    "CandidateExplanation",
+    "DeadLetterOut",
+    "DecisionOut",
+    "Explanation",
+    "LoopRules",
+    "Output",
+    "WatchdogCore",
+    "output_event_id",
+    "state_key",
+    "to_model",
+]
+
+#: uuid5 namespace of every watchdog output event id.
+EVENT_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://trajbus/watchdog")
+STATE_VERSION = 1
+MAX_CYCLE_LENGTH_LIMIT = 8
+
+_RULE_KEYS = frozenset(WatchdogSettings.model_fields)
+
+# ring slot layout (per remembered call)
+_R_TOOL, _R_AFP, _R_SEQ, _R_TIME, _R_RFP, _R_CID = range(6)
+_RS = 6
+# window tuple (one per cycle length L): start call index, its seq and time, result changes,
+# why it started
+_W_S, _W_SEQ, _W_TIME, _W_CHG, _W_CODE = range(5)
+
+# why a window (re)started
+_START, _BROKEN, _CHANGED, _RECONFIGURED = 0, 1, 2, 3
+_START_TEXT = {
+    _START: "tracking started",
+    _BROKEN: "the previous pattern was broken by a different call",
+    _CHANGED: "a result changed",
+    _RECONFIGURED: "cycle-length setting changed at restore",
+}
+
+_STATUS_PREFIX = {"OK": b"", "ERROR": b"E", "TIMEOUT": b"T"}
+_END_KINDS = frozenset({"DRAINING", "RECYCLED"})
+_MAX_INTERNED_TOOLS = 4096
+
+
+def state_key(sandbox: str, episode: str | None) -> str:
+    """The state/changelog key of a stream: ``sandbox`` or ``sandbox + "\\x1f" + episode``."""
+    return sandbox if episode is None else f"{sandbox}\x1f{episode}"
+
+
+# -- outputs ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AlertOut:
+    """A WatchdogAlert (minus header). ``seq``/``event_time_ms``: the input event (or tick)
+    that produced it; ``event_id``: deterministic (:func:`output_event_id`)."""
+
+    alert: str  # LOOP | LOOP_ENDED | STALL
+    task: str
+    sandbox: str
+    episode: str | None
+    pattern: tuple[str, ...]
+    repeat_count: int
+    span_ms: int
+    first_seq: int
+    last_seq: int
+    distinct_results: int
+    dry_run: bool
+    reason: str
+    seq: int
+    event_time_ms: int
+    event_id: str
+    cause_event_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionOut:
+    """A SchedulingDecision (TERMINATE, suspicious) requested by a LOOP alert."""
+
+    decision: str
+    task: str
+    sandbox: str
+    episode: str | None
+    reason: str
+    suspicious: bool
+    details: tuple[tuple[str, str], ...]
+    cause_event_ids: tuple[str, ...]
+    seq: int
+    event_time_ms: int
+    event_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterOut:
+    """Input the core refused. Identity fields are filled when they could be read."""
+
+    reason_code: str
+    reason: str
+    kind: str
+    event_id: str | None = None
+    task: str | None = None
+    sandbox: str | None = None
+    episode: str | None = None
+    seq: int | None = None
+
+
+Output = AlertOut | DecisionOut | DeadLetterOut
+
+
+def output_event_id(kind: str, sandbox: str, episode: str | None, seq: int, cycle: int) -> str:
+    """uuid5 hex over (output kind, sandbox, episode, anchor seq, cycle length): the same
+    evidence always gets the same id, so replays and restarts produce recognisable duplicates."""
+    name = f"{kind}\x1f{sandbox}\x1f{'' if episode is None else episode}\x1f{seq}\x1f{cycle}"
+    return uuid.uuid5(EVENT_ID_NAMESPACE, name).hex
+
+
+def to_model(out: AlertOut | DecisionOut, producer_id: str) -> Any:
+    """The :mod:`trajbus.schemas.models` record (``WatchdogAlert`` or ``SchedulingDecision``)
+    for an output. Deterministic: same output and producer id, same encoded bytes."""
+    from trajbus.schemas.models import (
+        AlertKind,
+        DecisionKind,
+        Envelope,
+        SchedulingDecision,
+        WatchdogAlert,
+    )
+
+    header = Envelope(
+        event_id=out.event_id, task=out.task, sandbox=out.sandbox, episode=out.episode,
+        seq=max(out.seq, 0), event_time_ms=out.event_time_ms, producer_id=producer_id,
+    )
+    if isinstance(out, AlertOut):
+        return WatchdogAlert(
+            header=header, alert=AlertKind(out.alert), pattern=list(out.pattern),
+            repeat_count=out.repeat_count, span_ms=out.span_ms, first_seq=out.first_seq,
+            last_seq=out.last_seq, distinct_results=out.distinct_results, dry_run=out.dry_run,
+            reason=out.reason,
+        )
+    if isinstance(out, DecisionOut):
+        return SchedulingDecision(
+            header=header, decision=DecisionKind(out.decision), reason=out.reason,
+            suspicious=out.suspicious, details=dict(out.details),
+            cause_event_ids=list(out.cause_event_ids),
+        )
+    raise TypeError(f"no model for {type(out).__name__}")
+
+
+# -- rules ------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LoopRules:
+    """Effective thresholds for one task (WatchdogSettings + per-task overrides)."""
+
+    loop_min_repeats: int
+    loop_min_span_ms: int
+    loop_max_distinct_results: int
+    max_cycle_length: int
+    stall_after_ms: int
+    dry_run: bool
+    ignore_fields: frozenset[str]
+    canon: Canonicalizer = field(repr=False, compare=False)
+    # (L, window offset, calls needed) for L = 1..max_cycle_length
+    cycles: tuple[tuple[int, int, int], ...] = field(repr=False, compare=False)
+    win_size: int = field(repr=False, compare=False)
+    ring_len: int = field(repr=False, compare=False)  # calls remembered: max_cycle_length + 1
+    # ``search`` of a regex that may match an ignored member name, or None (no ignore set)
+    detect: Callable[[str], Any] | None = field(repr=False, compare=False)
+
+    @classmethod
+    def build(cls, base: WatchdogSettings, overrides: Mapping[str, Any] | None) -> LoopRules:
+        values: dict[str, Any] = base.model_dump()
+        if overrides:
+            unknown = set(overrides) - _RULE_KEYS
+            if unknown:
+                raise ValueError(f"unknown watchdog setting(s): {sorted(unknown)}")
+            values.update(overrides)
+        ints = ("loop_min_repeats", "loop_min_span_ms", "loop_max_distinct_results",
+                "max_cycle_length", "stall_after_ms")
+        for name in ints:
+            v = values[name]
+            if type(v) is not int or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if values["loop_min_repeats"] < 2:
+            raise ValueError("loop_min_repeats must be >= 2")
+        m = values["max_cycle_length"]
+        if not 1 <= m <= MAX_CYCLE_LENGTH_LIMIT:
+            raise ValueError(f"max_cycle_length must be in 1..{MAX_CYCLE_LENGTH_LIMIT}")
+        ignore = frozenset(values["ignore_fields"])
+        cycles = []
+        off = 0
+        for length in range(1, m + 1):
+            cycles.append((length, off, length * values["loop_min_repeats"]))
+            off += 1
+        return cls(
+            loop_min_repeats=values["loop_min_repeats"],
+            loop_min_span_ms=values["loop_min_span_ms"],
+            loop_max_distinct_results=values["loop_max_distinct_results"],
+            max_cycle_length=m,
+            stall_after_ms=values["stall_after_ms"],
+            dry_run=bool(values["dry_run"]),
+            ignore_fields=ignore,
+            canon=canonicalizer(ignore),
+            cycles=tuple(cycles),
+            win_size=off,
+            ring_len=m + 1,
+            detect=canonicalizer(ignore).detector,
+        )
+
+
+# -- explanation ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class CandidateExplanation:
+    """The current window for one cycle length and what keeps it from firing."""
+
+    cycle_length: int
+    pattern: tuple[str, ...]
+    calls: int
+    repeat_count: int
+    span_ms: int
+    first_seq: int
+    result_changes: int
+    primitive: bool
+    since: str
+    blockers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """Why the loop rule fired or did not, for one stream (``trajbus watchdog explain``)."""
+
+    task: str
+    sandbox: str
+    episode: str | None
+    rules: LoopRules
+    last_seq: int
+    last_event_time_ms: int
+    calls_seen: int
+    open_calls: int
+    stalled: bool
+    loop_active: bool
+    loop_cycle_length: int
+    candidates: tuple[CandidateExplanation, ...]
+
+    @property
+    def verdict(self) -> str:
+        if self.loop_active:
+            return f"LOOP active (cycle length {self.loop_cycle_length}); alert already sent"
+        if any(not c.blockers for c in self.candidates):
+            return "loop conditions met (fires on the next tool event)"
+        return "no loop"
+
+    def render(self) -> str:
+        r = self.rules
+        lines = [
+            f"sandbox {self.sandbox} episode {self.episode} task {self.task}: {self.verdict}",
+            f"  thresholds: repeats>={r.loop_min_repeats} span>={r.loop_min_span_ms}ms "
+            f"result changes<={r.loop_max_distinct_results} cycles<={r.max_cycle_length} "
+            f"dry_run={r.dry_run}",
+            f"  calls={self.calls_seen} last_seq={self.last_seq} open_calls={self.open_calls} "
+            f"stalled={self.stalled}",
+        ]
+        for c in self.candidates:
+            state = "MET" if not c.blockers else "; ".join(c.blockers)
+            lines.append(
+                f"  L={c.cycle_length} pattern={list(c.pattern)} repeats={c.repeat_count} "
+                f"span={c.span_ms}ms first_seq={c.first_seq} changes={c.result_changes} "
+                f"since: {c.since} -> {state}"
+            )
+        return "\n".join(lines)
+
+
+# -- state ------------------------------------------------------------------------------------
+class _Invalid(Exception):
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class _Stream:
+    """Per (sandbox, episode) state. Constant size: ring of M calls + M windows."""
+
+    __slots__ = (
+        "episode", "key", "last_seq", "last_time", "loop_len", "n", "open_old", "ring",
+        "rules", "sandbox", "sb_next", "stalled", "task", "win",
+    )
+
+    def __init__(self, key: str, task: str, sandbox: str, episode: str | None,
+                 rules: LoopRules) -> None:
+        self.key = key
+        self.task = task
+        self.sandbox = sandbox
+        self.episode = episode
+        self.rules = rules
+        self.last_seq = -1
+        self.last_time = 0
+        self.n = 0  # calls seen
+        self.loop_len = 0  # cycle length of the active (alerted) loop, 0 = none
+        self.stalled = False
+        self.open_old = 0  # open calls that fell out of the ring
+        self.ring: list[Any] = [None] * (_RS * rules.ring_len)
+        self.win: list[Any] = [None] * rules.win_size
+        self.sb_next: _Stream | None = None
+
+
+_fromhex = bytes.fromhex
+
+
+def _opaque(value: str) -> bytes:
+    """Fingerprint of a hash field that is not hex: still deterministic."""
+    return hashlib.sha256(b"opaque\x00" + value.encode("utf-8", "surrogatepass")).digest()
+
+
+class WatchdogCore:
+    """Loop and stall detector. See the module docstring for the exact rules.
+
+    ``settings``: global thresholds (default ``WatchdogSettings()``); ``per_task``: task name ->
+    overrides keyed like :class:`~trajbus.bus.settings.WatchdogSettings` fields (unknown keys
+    raise ``ValueError`` here, at construction). ``trust_canonical``: see "Call identity".
+    ``evict_idle_ms``: drop streams without any event for this long (None: never).
+    """
+
+    def __init__(
+        self,
+        settings: WatchdogSettings | None = None,
+        per_task: Mapping[str, Mapping[str, Any]] | None = None,
+        *,
+        trust_canonical: bool = True,
+        evict_idle_ms: int | None = 3_600_000,
+    ) -> None:
+        self.settings = settings if settings is not None else WatchdogSettings()
+        self.default_rules = LoopRules.build(self.settings, None)
+        self._task_rules: dict[str, LoopRules] = {
+            task: LoopRules.build(self.settings, ov) for task, ov in (per_task or {}).items()
+        }
+        self.trust_canonical = trust_canonical
+        self.evict_idle_ms = evict_idle_ms
+        self._streams: dict[str, _Stream] = {}
+        self._by_sandbox: dict[str, _Stream] = {}
+        self._dirty: set[str] = set()
+        self._tools: dict[str, str] = {}
+
+    # -- public API ---------------------------------------------------------------------------
+    def rules_for(self, task: str) -> LoopRules:
+        """Effective thresholds of a task."""
+        return self._task_rules.get(task, self.default_rules)
+
+    def handle(self, kind: str, record: Mapping[str, Any]) -> list[Output]:
+        """Process one decoded event (``kind`` = Avro short name, ``record`` = its dict).
+        Kinds other than ToolCall, ToolResult, EpisodeStart, EpisodeEnd, SandboxLifecycle and
+        Tick only refresh the activity time of their stream. Never raises."""
+        try:
+            if kind == "ToolCall":
+                return self._on_call(record)
+            if kind == "ToolResult":
+                return self._on_result(record)
+            if kind == "EpisodeStart":
+                return self._on_episode_start(record)
+            if kind == "EpisodeEnd":
+                return self._on_episode_end(record)
+            if kind == "SandboxLifecycle":
+                return self._on_lifecycle(record)
+            if kind == "Tick":
+                h = record["header"]
+                t = h["event_time_ms"]
+                if type(t) is not int:
+                    raise _Invalid("wrong_type", "header.event_time_ms must be an int")
+                return self.tick(t)
+            self._on_other(record)
+            return []
+        except _Invalid as exc:
+            return [self._dead(kind, record, exc.code, exc.reason)]
+        except (KeyError, TypeError, AttributeError, IndexError) as exc:
+            code, reason = _diagnose(kind, record)
+            if code == "internal_error":
+                reason = f"{type(exc).__name__}: {exc}"
+            return [self._dead(kind, record, code, reason)]
+        except Exception as exc:  # a bug must not take the worker down
+            return [self._dead(kind, record, "internal_error", f"{type(exc).__name__}: {exc}")]
+
+    def tick(self, now_ms: int) -> list[Output]:
+        """Advance time: STALL alerts for streams with an open call and no event for their
+        ``stall_after_ms``; idle eviction. Outputs are ordered by state key."""
+        found: list[tuple[str, list[Output]]] = []
+        evict = self.evict_idle_ms
+        for st in list(self._streams.values()):
+            idle = now_ms - st.last_time
+            if evict is not None and idle >= evict:
+                found.append((st.key, self._end_stream(
+                    st, st.last_seq, now_ms, "", f"tracking ended: idle for {idle} ms")))
+                continue
+            if st.stalled or idle < st.rules.stall_after_ms or not self._open_calls(st):
+                continue
+            st.stalled = True
+            self._dirty.add(st.key)
+            found.append((st.key, [self._stall_alert(st, now_ms, idle)]))
+        found.sort(key=lambda kv: kv[0])
+        return [o for _, outs in found for o in outs]
+
+    def take_dirty(self) -> dict[str, bytes | None]:
+        """State changed since the last call: key -> serialized state, or None if the stream
+        was dropped. Sorted by key."""
+        out: dict[str, bytes | None] = {}
+        for key in sorted(self._dirty):
+            st = self._streams.get(key)
+            out[key] = None if st is None else _dump(st)
+        self._dirty.clear()
+        return out
+
+    def snapshot(self) -> dict[str, bytes]:
+        """Every tracked stream, serialized (for tests and full checkpoints)."""
+        return {k: _dump(st) for k, st in sorted(self._streams.items())}
+
+    def restore(self, key: str, blob: bytes | None) -> DeadLetterOut | None:
+        """Load one stream's state from the changelog (``None`` deletes it). A corrupt blob is
+        refused with a DeadLetterOut (and nothing changes); never raises."""
+        if blob is None:
+            st = self._streams.get(key)
+            if st is not None:
+                self._drop(st)
+                self._dirty.discard(key)
+            return None
+        try:
+            st = self._load(blob)
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            return DeadLetterOut("bad_state", f"cannot restore {key!r}: {exc}", "state")
+        if st.key != key:
+            return DeadLetterOut("bad_state", f"state key {st.key!r} != {key!r}", "state")
+        old = self._streams.get(key)
+        if old is not None:
+            self._drop(old)
+        self._add(st)
+        self._dirty.discard(key)
+        return None
+
+    def tracked(self) -> int:
+        """Number of tracked streams."""
+        return len(self._streams)
+
+    def explain(self, sandbox: str, episode: str | None = None) -> list[Explanation]:
+        """Why the loop rule fired or not, for every tracked stream of ``sandbox`` (or one
+        episode), ordered by state key."""
+        out = []
+        st = self._by_sandbox.get(sandbox)
+        while st is not None:
+            if episode is None or st.episode == episode:
+                out.append(self._explain(st))
+            st = st.sb_next
+        out.sort(key=lambda e: state_key(e.sandbox, e.episode))
+        return out
+
+    # -- event handlers -----------------------------------------------------------------------
+    def _on_call(self, rec: Mapping[str, Any]) -> list[Output]:
+        h = rec["header"]
+        task = h["task"]
+        sandbox = h["sandbox"]
+        episode = h.get("episode")
+        seq = h["seq"]
+        t = h["event_time_ms"]
+        event_id = h["event_id"]
+        cid = rec["call_id"]
+        tool = rec["tool"]
+        ahash = rec["args_hash"]
+        acanon = rec.get("args_canonical")
+        if (type(seq) is not int or type(t) is not int or seq < 0 or type(cid) is not str
+                or type(tool) is not str or type(ahash) is not str
+                or (acanon is not None and type(acanon) is not str)
+                or type(sandbox) is not str or type(task) is not str
+                or type(event_id) is not str
+                or (episode is not None and type(episode) is not str)):
+            raise TypeError("field check")
+        key = sandbox if episode is None else f"{sandbox}\x1f{episode}"
+        st = self._streams.get(key)
+        if st is not None:
+            if seq <= st.last_seq:
+                return []
+            rules = st.rules
+        else:
+            rules = self._task_rules.get(task, self.default_rules)
+        # call fingerprint (everything above this line mutates nothing)
+        if acanon is not None and (not self.trust_canonical or (
+                rules.detect is not None and rules.detect(acanon) is not None)):
+            afp = self._fp_text(rules, acanon, "args")
+        else:
+            try:
+                afp = _fromhex(ahash)
+            except ValueError:
+                afp = _opaque(ahash)
+        if st is None:
+            st = self._new(key, task, sandbox, episode)
+        tool = self._tools.get(tool) or self._intern(tool)
+
+        self._dirty.add(key)
+        st.last_seq = seq
+        if t > st.last_time:
+            st.last_time = t
+        st.stalled = False
+        n = st.n
+        ring = st.ring
+        win = st.win
+        r = rules.ring_len
+        outs: list[Output] = []
+        matched = False  # no window grew: nothing can fire
+        if n == 0:
+            for _length, off, _ in rules.cycles:
+                win[off] = (0, seq, t, 0, _START)
+        else:
+            for length, off, _ in rules.cycles:
+                if n < length:
+                    break
+                j = ((n - length) % r) * _RS
+                prev_afp = ring[j + _R_AFP]
+                if prev_afp == afp and ring[j] == tool:
+                    afp = prev_afp  # share one object per distinct call (memory)
+                    matched = True
+                    continue
+                # the call breaks this cycle length's window: restart it at the last L calls
+                if st.loop_len == length:
+                    outs.append(self._loop_ended(
+                        st, length, off, n - 1, seq, t, event_id,
+                        f"pattern broken by {tool}:{afp.hex()} at seq {seq}"))
+                s = n - length + 1
+                if s == n:
+                    win[off] = (s, seq, t, 0, _BROKEN)
+                else:
+                    b = (s % r) * _RS
+                    win[off] = (s, ring[b + _R_SEQ], ring[b + _R_TIME], 0, _BROKEN)
+        slot = (n % r) * _RS
+        if ring[slot + _R_CID] is not None:
+            st.open_old += 1
+        ring[slot] = tool
+        ring[slot + _R_AFP] = afp
+        ring[slot + _R_SEQ] = seq
+        ring[slot + _R_TIME] = t
+        ring[slot + _R_RFP] = None
+        ring[slot + _R_CID] = cid
+        st.n = n + 1
+        if matched and st.loop_len == 0:
+            calls = n + 1
+            for length, off, need in rules.cycles:
+                if calls - win[off][0] >= need:
+                    fired = self._maybe_fire(st, length, off, seq, t, event_id)
+                    if fired:
+                        outs.extend(fired)
+                        break
+        return outs
+
+    def _on_result(self, rec: Mapping[str, Any]) -> list[Output]:
+        h = rec["header"]
+        task = h["task"]
+        sandbox = h["sandbox"]
+        episode = h.get("episode")
+        seq = h["seq"]
+        t = h["event_time_ms"]
+        event_id = h["event_id"]
+        cid = rec["call_id"]
+        status = rec["status"]
+        rhash = rec["result_hash"]
+        rcanon = rec.get("result_canonical")
+        if (type(seq) is not int or type(t) is not int or seq < 0 or type(cid) is not str
+                or type(status) is not str or type(rhash) is not str
+                or (rcanon is not None and type(rcanon) is not str)
+                or type(sandbox) is not str or type(task) is not str
+                or type(event_id) is not str
+                or (episode is not None and type(episode) is not str)):
+            raise TypeError("field check")
+        key = sandbox if episode is None else f"{sandbox}\x1f{episode}"
+        st = self._streams.get(key)
+        if st is not None:
+            if seq <= st.last_seq:
+                return []
+            rules = st.rules
+        else:
+            rules = self._task_rules.get(task, self.default_rules)
+        if rcanon is not None and (not self.trust_canonical or (
+                rules.detect is not None and rules.detect(rcanon) is not None)):
+            rfp = self._fp_text(rules, rcanon, "result")
+        else:
+            try:
+                rfp = _fromhex(rhash)
+            except ValueError:
+                rfp = _opaque(rhash)
+        if status != "OK":
+            prefix = _STATUS_PREFIX.get(status)
+            rfp = (prefix if prefix is not None
+                   else status.encode("utf-8", "surrogatepass") + b"\x00") + rfp
+        if st is None:
+            st = self._new(key, task, sandbox, episode)
+
+        self._dirty.add(key)
+        st.last_seq = seq
+        if t > st.last_time:
+            st.last_time = t
+        st.stalled = False
+        ring = st.ring
+        r = rules.ring_len
+        n = st.n
+        outs: list[Output] = []
+        for i in range(r):
+            if ring[i * _RS + _R_CID] == cid:
+                break
+        else:
+            if st.open_old:
+                st.open_old -= 1
+            return outs
+        b = i * _RS
+        ring[b + _R_RFP] = rfp
+        ring[b + _R_CID] = None
+        j = n - 1 - ((n - 1 - i) % r)  # call index of slot i
+        lo = n - r  # oldest call index still in the ring
+        win = st.win
+        for length, off, _ in rules.cycles:
+            s = win[off][0]
+            if j < s:
+                continue
+            # the same cycle position one cycle earlier...
+            k = j - length
+            if k >= s and k >= lo:
+                other = ring[(k % r) * _RS + _R_RFP]
+                if other is not None:
+                    if other == rfp:
+                        rfp = ring[b + _R_RFP] = other  # share one object per distinct result
+                    else:
+                        self._result_changed(st, length, off, j, seq, t, event_id, outs)
+            # ...and one cycle later (results may arrive out of order)
+            k = j + length
+            if k < n:
+                other = ring[(k % r) * _RS + _R_RFP]
+                if other is not None and other != rfp and win[off][0] <= j:
+                    self._result_changed(st, length, off, k, seq, t, event_id, outs)
+        if st.loop_len == 0:
+            for length, off, need in rules.cycles:
+                if n - win[off][0] >= need:
+                    fired = self._maybe_fire(st, length, off, seq, t, event_id)
+                    if fired:
+                        outs.extend(fired)
+                        break
+        return outs
+
+    def _result_changed(self, st: _Stream, length: int, off: int, at: int, seq: int, t: int,
+                        event_id: str, outs: list[Output]) -> None:
+        """Call ``at`` returned something else than the same position one cycle before."""
+        win = st.win
+        w = win[off]
+        changes = w[_W_CHG] + 1
+        if changes <= st.rules.loop_max_distinct_results:
+            win[off] = (w[0], w[_W_SEQ], w[_W_TIME], changes, w[_W_CODE])
+            return
+        ring = st.ring
+        r = st.rules.ring_len
+        b = (at % r) * _RS
+        if st.loop_len == length:
+            outs.append(self._loop_ended(
+                st, length, off, st.n - 1, seq, t, event_id,
+                f"result changed at seq {seq} (call seq {ring[b + _R_SEQ]})", changes=changes))
+        win[off] = (at, ring[b + _R_SEQ], ring[b + _R_TIME], 0, _CHANGED)
+
+    def _on_episode_start(self, rec: Mapping[str, Any]) -> list[Output]:
+        task, sandbox, episode, seq, t, _ = _header(rec)
+        key = state_key(sandbox, episode)
+        st = self._streams.get(key)
+        if st is None:
+            st = self._new(key, task, sandbox, episode)
+        elif seq <= st.last_seq:
+            return []
+        self._touch(st, seq, t)
+        return []
+
+    def _on_episode_end(self, rec: Mapping[str, Any]) -> list[Output]:
+        _, sandbox, episode, seq, t, event_id = _header(rec)
+        st = self._streams.get(state_key(sandbox, episode))
+        if st is None or seq <= st.last_seq:
+            return []
+        if t > st.last_time:
+            st.last_time = t
+        return self._end_stream(st, seq, t, event_id, f"tracking ended: episode ended at seq {seq}")
+
+    def _on_lifecycle(self, rec: Mapping[str, Any]) -> list[Output]:
+        _, sandbox, _, seq, t, event_id = _header(rec)
+        state = rec["state"]
+        if type(state) is not str:
+            raise _Invalid("wrong_type", "state must be a string")
+        if state not in _END_KINDS:
+            return []
+        streams = []
+        st = self._by_sandbox.get(sandbox)
+        while st is not None:
+            streams.append(st)
+            st = st.sb_next
+        streams.sort(key=lambda s: s.key)
+        outs: list[Output] = []
+        for st in streams:
+            outs.extend(self._end_stream(
+                st, st.last_seq, max(t, st.last_time), event_id,
+                f"tracking ended: sandbox {state.lower()} (lifecycle seq {seq})"))
+        return outs
+
+    def _on_other(self, rec: Mapping[str, Any]) -> None:
+        h = rec.get("header") if isinstance(rec, Mapping) else None
+        if not isinstance(h, Mapping):
+            return
+        sandbox, episode, seq, t = (h.get("sandbox"), h.get("episode"), h.get("seq"),
+                                    h.get("event_time_ms"))
+        if (episode is None or type(sandbox) is not str or type(episode) is not str
+                or type(seq) is not int or type(t) is not int):
+            return
+        st = self._streams.get(f"{sandbox}\x1f{episode}")
+        if st is not None and seq > st.last_seq:
+            self._touch(st, seq, t)
+
+    # -- loop machinery -----------------------------------------------------------------------
+    def _fp_text(self, rules: LoopRules, text: str, what: str) -> bytes:
+        c = rules.canon
+        try:
+            return c.digest_canonical(text) if self.trust_canonical else c.digest(text)
+        except CanonicalError as exc:
+            raise _Invalid(f"bad_{what}_canonical", f"{what}_canonical: {exc}") from None
+
+    def _intern(self, tool: str) -> str:
+        if len(self._tools) < _MAX_INTERNED_TOOLS:
+            self._tools[tool] = tool
+        return tool
+
+    def _restart(self, st: _Stream, length: int, off: int, s: int, code: int) -> None:
+        """Restart window ``length`` at call ``s`` (which must be in the ring)."""
+        win = st.win
+        b = (s % st.rules.ring_len) * _RS
+        win[off] = (s, st.ring[b + _R_SEQ], st.ring[b + _R_TIME], 0, code)
+
+    def _pattern(self, st: _Stream, length: int, off: int, last: int) -> list[tuple[str, bytes]]:
+        """Calls of the window's pattern (positions 0..L-1), from the ring; ``last`` = index of
+        the newest call in the ring."""
+        s = st.win[off][0]
+        ring = st.ring
+        m = st.rules.ring_len
+        out = []
+        for p in range(length):
+            k = s + p
+            if k > last:
+                break
+            k = last - ((last - k) % length)
+            b = (k % m) * _RS
+            out.append((ring[b], ring[b + _R_AFP]))
+        return out
+
+    @staticmethod
+    def _primitive(pat: list[tuple[str, bytes]]) -> bool:
+        n = len(pat)
+        for d in range(1, n):
+            if n % d == 0 and all(pat[i] == pat[i - d] for i in range(d, n)):
+                return False
+        return True
+
+    def _maybe_fire(self, st: _Stream, length: int, off: int, seq: int, t: int,
+                    event_id: str) -> list[Output] | None:
+        win = st.win
+        rules = st.rules
+        span = st.last_time - win[off][_W_TIME]
+        if span < rules.loop_min_span_ms or win[off][_W_CHG] > rules.loop_max_distinct_results:
+            return None
+        pat = self._pattern(st, length, off, st.n - 1)
+        if len(pat) < length or not self._primitive(pat):
+            return None
+        st.loop_len = length
+        repeats = (st.n - win[off][0]) // length
+        first_seq = win[off][_W_SEQ]
+        changes = win[off][_W_CHG]
+        pattern = tuple(f"{tool}:{afp.hex()}" for tool, afp in pat)
+        dry = rules.dry_run
+        alert_id = output_event_id("LOOP", st.sandbox, st.episode, first_seq, length)
+        reason = (
+            f"{length}-call cycle repeated {repeats} times in a row over {span} ms with "
+            f"{changes} result change(s) (thresholds: >= {rules.loop_min_repeats} repeats, "
+            f">= {rules.loop_min_span_ms} ms, <= {rules.loop_max_distinct_results} changes)"
+        )
+        outs: list[Output] = [AlertOut(
+            alert="LOOP", task=st.task, sandbox=st.sandbox, episode=st.episode,
+            pattern=pattern, repeat_count=repeats, span_ms=span, first_seq=first_seq,
+            last_seq=seq, distinct_results=changes, dry_run=dry, reason=reason, seq=seq,
+            event_time_ms=t, event_id=alert_id, cause_event_ids=(event_id,),
+        )]
+        if not dry:
+            outs.append(DecisionOut(
+                decision="TERMINATE", task=st.task, sandbox=st.sandbox, episode=st.episode,
+                reason=f"watchdog loop: {reason}", suspicious=True,
+                details=(
+                    ("alert_event_id", alert_id),
+                    ("cycle_length", str(length)),
+                    ("distinct_results", str(changes)),
+                    ("episode", st.episode or ""),
+                    ("first_seq", str(first_seq)),
+                    ("last_seq", str(seq)),
+                    ("pattern", " ".join(pattern)),
+                    ("repeat_count", str(repeats)),
+                    ("span_ms", str(span)),
+                ),
+                cause_event_ids=(event_id, alert_id), seq=seq, event_time_ms=t,
+                event_id=output_event_id("TERMINATE", st.sandbox, st.episode, first_seq, length),
+            ))
+        return outs
+
+    def _loop_ended(self, st: _Stream, length: int, off: int, last: int, seq: int, t: int,
+                    event_id: str, why: str, changes: int | None = None) -> AlertOut:
+        """LOOP_ENDED for the active loop; ``last`` = index of the newest call in the ring."""
+        win = st.win
+        first_seq = win[off][_W_SEQ]
+        pat = self._pattern(st, length, off, last)
+        st.loop_len = 0
+        return AlertOut(
+            alert="LOOP_ENDED", task=st.task, sandbox=st.sandbox, episode=st.episode,
+            pattern=tuple(f"{tool}:{afp.hex()}" for tool, afp in pat),
+            repeat_count=(last + 1 - win[off][0]) // length,
+            span_ms=max(t, st.last_time) - win[off][_W_TIME], first_seq=first_seq,
+            last_seq=seq, distinct_results=win[off][_W_CHG] if changes is None else changes,
+            dry_run=st.rules.dry_run, reason=f"loop ended: {why}", seq=seq, event_time_ms=t,
+            event_id=output_event_id("LOOP_ENDED", st.sandbox, st.episode, first_seq, length),
+            cause_event_ids=(event_id,) if event_id else (),
+        )
+
+    def _end_stream(self, st: _Stream, seq: int, t: int, event_id: str,
+                    why: str) -> list[Output]:
+        outs: list[Output] = []
+        if st.loop_len:
+            length = st.loop_len
+            off = st.rules.cycles[length - 1][1]
+            outs.append(self._loop_ended(st, length, off, st.n - 1, seq, t, event_id, why))
+        self._drop(st)
+        self._dirty.add(st.key)
+        return outs
+
+    def _stall_alert(self, st: _Stream, now_ms: int, idle: int) -> AlertOut:
+        ring = st.ring
+        m = st.rules.ring_len
+        pattern: tuple[str, ...] = ()
+        first_seq = -1
+        for back in range(min(st.n, m)):  # newest open call in the ring
+            b = ((st.n - 1 - back) % m) * _RS
+            if ring[b + _R_CID] is not None:
+                pattern = (f"{ring[b]}:{ring[b + _R_AFP].hex()}",)
+                first_seq = ring[b + _R_SEQ]
+                break
+        return AlertOut(
+            alert="STALL", task=st.task, sandbox=st.sandbox, episode=st.episode,
+            pattern=pattern, repeat_count=0, span_ms=idle, first_seq=first_seq,
+            last_seq=st.last_seq, distinct_results=0, dry_run=st.rules.dry_run,
+            reason=(f"{self._open_calls(st)} open tool call(s) and no event for {idle} ms "
+                    f"(threshold {st.rules.stall_after_ms} ms)"),
+            seq=st.last_seq, event_time_ms=now_ms,
+            event_id=output_event_id("STALL", st.sandbox, st.episode, st.last_seq, 0),
+        )
+
+    @staticmethod
+    def _open_calls(st: _Stream) -> int:
+        ring = st.ring
+        return st.open_old + sum(
+            1 for i in range(st.rules.ring_len) if ring[i * _RS + _R_CID] is not None
+        )
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def _new(self, key: str, task: str, sandbox: str, episode: str | None) -> _Stream:
+        task = self._tools.get(task) or self._intern(task)
+        st = _Stream(key, task, sandbox, episode, self._task_rules.get(task, self.default_rules))
+        self._add(st)
+        return st
+
+    def _add(self, st: _Stream) -> None:
+        self._streams[st.key] = st
+        st.sb_next = self._by_sandbox.get(st.sandbox)
+        self._by_sandbox[st.sandbox] = st
+
+    def _drop(self, st: _Stream) -> None:
+        if self._streams.pop(st.key, None) is None:
+            return
+        head = self._by_sandbox.get(st.sandbox)
+        if head is st:
+            if st.sb_next is None:
+                del self._by_sandbox[st.sandbox]
+            else:
+                self._by_sandbox[st.sandbox] = st.sb_next
+        else:
+            prev = head
+            while prev is not None and prev.sb_next is not st:
+                prev = prev.sb_next
+            if prev is not None:
+                prev.sb_next = st.sb_next
+        st.sb_next = None
+
+    def _touch(self, st: _Stream, seq: int, t: int) -> None:
+        st.last_seq = seq
+        if t > st.last_time:
+            st.last_time = t
+        st.stalled = False
+        self._dirty.add(st.key)
+
+    def _dead(self, kind: str, record: Any, code: str, reason: str) -> DeadLetterOut:
+        h = record.get("header") if isinstance(record, Mapping) else None
+        if not isinstance(h, Mapping):
+            h = {}
+
+        def s(name: str) -> str | None:
+            v = h.get(name)
+            return v if isinstance(v, str) else None
+
+        seq = h.get("seq")
+        return DeadLetterOut(
+            reason_code=code, reason=reason, kind=kind if isinstance(kind, str) else repr(kind),
+            event_id=s("event_id"), task=s("task"), sandbox=s("sandbox"), episode=s("episode"),
+            seq=seq if type(seq) is int else None,
+        )
+
+    def _explain(self, st: _Stream) -> Explanation:
+        rules = st.rules
+        win = st.win
+        cands = []
+        for length, off, _ in rules.cycles:
+            if st.n == 0 or win[off] is None:
+                continue
+            s = win[off][0]
+            calls = st.n - s
+            pat = self._pattern(st, length, off, st.n - 1)
+            primitive = len(pat) == length and self._primitive(pat)
+            repeats = calls // length
+            span = st.last_time - win[off][_W_TIME]
+            changes = win[off][_W_CHG]
+            blockers = []
+            if repeats < rules.loop_min_repeats:
+                blockers.append(f"repeats {repeats} < {rules.loop_min_repeats}")
+            if span < rules.loop_min_span_ms:
+                blockers.append(f"span {span} ms < {rules.loop_min_span_ms} ms")
+            if changes > rules.loop_max_distinct_results:
+                blockers.append(
+                    f"result changes {changes} > {rules.loop_max_distinct_results}")
+            if len(pat) == length and not primitive:
+                blockers.append("pattern repeats a shorter cycle (covered by that length)")
+            if st.loop_len:
+                blockers.append(
+                    "loop already alerted" if st.loop_len == length
+                    else f"a {st.loop_len}-call loop is active")
+            code = win[off][_W_CODE]
+            cands.append(CandidateExplanation(
+                cycle_length=length,
+                pattern=tuple(f"{tool}:{afp.hex()}" for tool, afp in pat),
+                calls=calls, repeat_count=repeats, span_ms=span,
+                first_seq=win[off][_W_SEQ], result_changes=changes, primitive=primitive,
+                since=_START_TEXT[code], blockers=tuple(blockers),
+            ))
+        return Explanation(
+            task=st.task, sandbox=st.sandbox, episode=st.episode, rules=rules,
+            last_seq=st.last_seq, last_event_time_ms=st.last_time, calls_seen=st.n,
+            open_calls=self._open_calls(st), stalled=st.stalled, loop_active=bool(st.loop_len),
+            loop_cycle_length=st.loop_len, candidates=tuple(cands),
+        )
+
+    # -- serialization ------------------------------------------------------------------------
+    def _load(self, blob: bytes) -> _Stream:
+        data = json.loads(blob)
+        if not isinstance(data, list) or len(data) != 13 or data[0] != STATE_VERSION:
+            raise ValueError("not a watchdog state v1")
+        (_, task, sandbox, episode, last_seq, last_time, n, loop_len, stalled, open_old, m,
+         ring, win) = data
+        for name, v, typ in (("task", task, str), ("sandbox", sandbox, str)):
+            if type(v) is not typ:
+                raise TypeError(f"{name} must be {typ.__name__}")
+        if episode is not None and type(episode) is not str:
+            raise TypeError("episode must be str or null")
+        for name, v in (("last_seq", last_seq), ("last_time", last_time), ("n", n),
+                        ("loop_len", loop_len), ("open_old", open_old), ("m", m)):
+            if type(v) is not int:
+                raise TypeError(f"{name} must be int")
+        if not (isinstance(ring, list) and isinstance(win, list)):
+            raise TypeError("ring/win must be lists")
+        if not 1 <= m <= MAX_CYCLE_LENGTH_LIMIT or len(ring) != _RS * (m + 1):
+            raise ValueError("ring size does not match its cycle length")
+        rules = self._task_rules.get(task, self.default_rules)
+        task = self._tools.get(task) or self._intern(task)
+        st = _Stream(state_key(sandbox, episode), task, sandbox, episode, rules)
+        st.last_seq, st.last_time, st.n = last_seq, last_time, n
+        st.stalled = bool(stalled)
+        st.open_old = open_old
+        fps: dict[str, bytes] = {}  # one object per distinct fingerprint, as when live
+
+        def unhex(v: Any) -> bytes | None:
+            if v is None:
+                return None
+            if type(v) is not str:
+                raise TypeError("fingerprint must be a hex string")
+            fp = fps.get(v)
+            if fp is None:
+                fp = fps[v] = bytes.fromhex(v)
+            return fp
+
+        for i in range(0, len(ring), _RS):
+            slot = ring[i:i + _RS]
+            if slot[_R_TOOL] is None:
+                continue
+            tool, _, seq, t, _, cid = slot
+            if (type(tool) is not str or type(seq) is not int or type(t) is not int
+                    or not (cid is None or type(cid) is str)):
+                raise TypeError("bad ring slot")
+            ring[i] = self._tools.get(tool) or self._intern(tool)
+            ring[i + _R_AFP] = unhex(slot[_R_AFP])
+            ring[i + _R_RFP] = unhex(slot[_R_RFP])
+        win = list(win)
+        src_len, dst_len = m + 1, rules.ring_len
+        # re-lay the ring into the current cycle-length configuration
+        for back in range(min(n, src_len, dst_len)):
+            k = n - 1 - back
+            src, dst = (k % src_len) * _RS, (k % dst_len) * _RS
+            st.ring[dst:dst + _RS] = ring[src:src + _RS]
+        # calls that no longer fit in a smaller ring: keep their openness
+        st.open_old += sum(
+            1 for back in range(dst_len, min(n, src_len))
+            if ring[((n - 1 - back) % src_len) * _RS + _R_CID] is not None
+        )
+        if m == rules.max_cycle_length and len(win) == rules.win_size:
+            if n:
+                win = [tuple(w) for w in win]
+                if any(len(w) != 5 or any(type(v) is not int for v in w) for w in win):
+                    raise TypeError("bad window")
+            st.win = win
+            st.loop_len = loop_len
+        elif n > 0:  # cycle setting changed: windows restart from the remembered calls
+            for length, off, _ in rules.cycles:
+                self._restart(st, length, off, max(0, n - length, n - dst_len), _RECONFIGURED)
+            st.loop_len = 0
+        return st
+
+
+def _dump(st: _Stream) -> bytes:
+    ring = [v.hex() if isinstance(v, bytes) else v for v in st.ring]
+    return json.dumps(
+        [STATE_VERSION, st.task, st.sandbox, st.episode, st.last_seq, st.last_time, st.n,
+         st.loop_len, int(st.stalled), st.open_old, st.rules.max_cycle_length, ring, st.win],
+        separators=(",", ":"), ensure_ascii=False,
+    ).encode("utf-8", "surrogatepass")
+
+
+def _header(rec: Mapping[str, Any]) -> tuple[str, str, str | None, int, int, str]:
+    h = rec["header"]
+    task, sandbox, episode = h["task"], h["sandbox"], h.get("episode")
+    seq, t, event_id = h["seq"], h["event_time_ms"], h["event_id"]
+    if (type(seq) is not int or type(t) is not int or seq < 0 or type(sandbox) is not str
+            or type(task) is not str or type(event_id) is not str
+            or (episode is not None and type(episode) is not str)):
+        raise TypeError("field check")
+    return task, sandbox, episode, seq, t, event_id
+
+
+_REQUIRED: dict[str, tuple[tuple[str, tuple[type, ...], bool], ...]] = {
+    "ToolCall": (("call_id", (str,), False), ("tool", (str,), False),
+                 ("args_hash", (str,), False), ("args_canonical", (str,), True)),
+    "ToolResult": (("call_id", (str,), False), ("status", (str,), False),
+                   ("result_hash", (str,), False), ("result_canonical", (str,), True)),
+    "SandboxLifecycle": (("state", (str,), False),),
+}
+_HEADER_FIELDS = (("event_id", False), ("task", False), ("sandbox", False), ("episode", True))
+
+
+def _diagnose(kind: str, record: Any) -> tuple[str, str]:
+    """Precise reason code for a record the fast path refused."""
+    if not isinstance(record, Mapping):
+        return "wrong_type", f"record must be a mapping, got {type(record).__name__}"
+    h = record.get("header")
+    if h is None:
+        return "missing_field", "header is missing"
+    if not isinstance(h, Mapping):
+        return "wrong_type", "header must be a mapping"
+    for name, optional in _HEADER_FIELDS:
+        if name not in h:
+            if optional:
+                continue
+            return "missing_field", f"header.{name} is missing"
+        v = h[name]
+        if not (isinstance(v, str) or (optional and v is None)):
+            return "wrong_type", f"header.{name} must be a string"
+    for name in ("seq", "event_time_ms"):
+        if name not in h:
+            return "missing_field", f"header.{name} is missing"
+        if type(h[name]) is not int:
+            return "wrong_type", f"header.{name} must be an int"
+    if h["seq"] < 0:
+        return "negative_seq", f"header.seq is negative ({h['seq']})"
+    for name, types, optional in _REQUIRED.get(kind, ()):
+        if name not in record:
+            if optional:
+                continue
+            return "missing_field", f"{name} is missing"
+        v = record[name]
+        if not (type(v) in types or (optional and v is None)):
+            return "wrong_type", f"{name} must be {types[0].__name__}"
+    return "internal_error", "unexpected error"
+
