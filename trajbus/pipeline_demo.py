@@ -47,12 +47,15 @@ class View:
     sample: tuple[str, str] | None = None  # one finished episode, for the waterfall
 
 
-async def run_pipeline(settings: Settings, sandboxes: int, episodes: int, seed: int) -> int:
+async def run_pipeline(settings: Settings, sandboxes: int, episodes: int, seed: int, *,
+                       work_root: Path = Path(".trajbus/demo"),
+                       settle_timeout_s: float = 90) -> int:
+    """Run the pipeline once and check it. Returns 0 when every check passed."""
     from trajbus.bus.admin import ensure_base_topics, register_schemas
     from trajbus.bus.producer import close_producer
     from trajbus.producers.simulator import simulate
 
-    work = Path(".trajbus/demo") / str(seed)
+    work = work_root / str(seed)
     work.mkdir(parents=True, exist_ok=True)
     topics = Topics(settings)
     await ensure_base_topics(settings, TASKS)
@@ -85,7 +88,7 @@ async def run_pipeline(settings: Settings, sandboxes: int, episodes: int, seed: 
              f"episodes planted")
         # The trainer has everything when every acknowledged episode arrived (recycled
         # sandboxes' unfinished episodes arrive truncated after the recycle grace).
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + settle_timeout_s
         while time.monotonic() < deadline:
             if all((s, ep) in view.episodes for (_, s, ep) in expected) and \
                     len(view.loop_alerts) >= len(manifest.loops):
@@ -113,6 +116,7 @@ def _start_worker(settings: Settings, log_path: Path) -> subprocess.Popen[bytes]
     env = dict(os.environ)
     env["TRAJBUS_KAFKA__BOOTSTRAP_SERVERS"] = settings.kafka.bootstrap_servers
     env["TRAJBUS_TOPICS__PREFIX"] = settings.topics.prefix
+    env["TRAJBUS_TOPICS__PARTITIONS"] = str(settings.topics.partitions)
     out = open(log_path, "ab")
     return subprocess.Popen(
         [sys.executable, "-m", "trajbus", "worker", "--worker-id", "demo", "-v"],
