@@ -60,7 +60,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def register_replay_more(rsub: argparse._SubParsersAction) -> None:
-    """Operators' replay subcommands (events, explain, republish) join here as they land."""
+    """Operators' replay subcommands: events, explain, republish, waterfall."""
+    from trajbus.consumers import operator_cli
+
+    operator_cli.register_replay(rsub)
 
 
 def build_specs(settings: Settings, names: list[str]) -> list[Any]:

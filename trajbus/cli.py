@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "trajbus.producers.cli",
     "trajbus.consumers.cli",
     "trajbus.archive.cli",
+    "trajbus.consumers.operator_cli",
     "trajbus.demo",
 )
 
