@@ -61,8 +61,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def register_replay_more(rsub: argparse._SubParsersAction) -> None:
     """Operators' replay subcommands: events, explain, republish, waterfall."""
-    from trajbus.consumers import operator_cli
-
+    try:
+        from trajbus.consumers import operator_cli
+    except ModuleNotFoundError as exc:
+        if exc.name != "trajbus.consumers.operator_cli":
+            raise
+        return
     operator_cli.register_replay(rsub)
 
 
