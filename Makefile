@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast lint bench setup jars clean help
+.PHONY: demo test test-fast lint bench setup jars browser clean help
 
 help:
 	@echo "make demo   - run the main job: local Kafka, processors, simulated fleet, archive"
@@ -16,7 +16,15 @@ help:
 	@echo "make bench  - run the benchmarks under bench/ and write BENCHMARKS.md"
 	@echo "make lint   - ruff + mypy"
 
-setup: $(STAMP) jars
+setup: $(STAMP) jars browser
+
+# Headless Chromium renders the waterfall report in a test; without it that one test skips.
+browser:
+	@command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    (apt-get update -qq && apt-get install -y -qq --no-install-recommends \
+	      chromium-headless-shell >/dev/null) ; } || \
+	  echo "note: no headless Chromium; the HTML report rendering test will be skipped"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

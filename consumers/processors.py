@@ -288,8 +288,9 @@ class WatchdogProcessor(_Adapter):
 
 
 def replay_topics_pattern(topics: Topics) -> str:
-    """Every per-task replay topic (trajbus.replay.<task>)."""
-    return re.escape(f"{topics.prefix}.replay.") + r"[^.]+$"
+    """Every per-task replay topic (trajbus.replay.<task>), except operators' debug
+    republications (trajbus.replay.debug-<task>), which must not feed live decisions."""
+    return re.escape(f"{topics.prefix}.replay.") + r"(?!debug-)[^.]+$"
 
 
 def watchdog_spec(settings: Settings) -> ProcessorSpec:

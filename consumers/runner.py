@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
 
 from trajbus.bus.admin import ensure_topics
 from trajbus.bus.kafka import check_broker, connection_options
@@ -147,6 +146,7 @@ class Runner:
             **connection_options(self.settings.kafka),
             isolation_level="read_committed",
             enable_auto_commit=False,
+            auto_offset_reset="earliest",  # "latest" could race the explicit seek below
             client_id=f"{self.group_id}-restore",
         )
         await consumer.start()
@@ -154,7 +154,9 @@ class Runner:
         try:
             tps = [TopicPartition(self.changelog, s) for s in slots]
             consumer.assign(tps)
-            await consumer.seek_to_beginning(*tps)
+            begin = await consumer.beginning_offsets(tps)
+            for tp in tps:
+                consumer.seek(tp, begin[tp])
             end = await consumer.end_offsets(tps)
             fresh = {s: self.spec.factory() for s in slots}
             pending = {tp for tp in tps if end[tp] > 0}
@@ -307,27 +309,3 @@ class Runner:
                 seq += 1
         finally:
             await producer.stop()
-
-
-async def describe_lag(settings: Settings, group_id: str, topics: list[str]) -> dict[str, int]:
-    """Consumer lag per topic for a group (for `trajbus status`)."""
-    admin = AIOKafkaAdminClient(**connection_options(settings.kafka))
-    await admin.start()
-    consumer = AIOKafkaConsumer(**connection_options(settings.kafka))
-    await consumer.start()
-    try:
-        committed = await admin.list_consumer_group_offsets(group_id)
-        lag: dict[str, int] = {}
-        for topic in topics:
-            parts = consumer.partitions_for_topic(topic) or set()
-            tps = [TopicPartition(topic, p) for p in parts]
-            if not tps:
-                continue
-            ends = await consumer.end_offsets(tps)
-            lag[topic] = sum(
-                ends[tp] - (committed[tp].offset if tp in committed else 0) for tp in tps
-            )
-        return lag
-    finally:
-        await consumer.stop()
-        await admin.close()

@@ -1,0 +1,292 @@
+"""Operators' commands.
+
+``register_replay(rsub)`` adds to ``trajbus replay``: ``events``, ``explain``, ``republish``,
+``waterfall``. ``register(sub)`` adds the top-level ``status``, ``scheduler status`` and
+``watchdog explain``. Every command reads the settings from the environment (``TRAJBUS_...``)
+and only reads topics, except ``replay republish``, which writes to a debug replay topic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from trajbus.bus.settings import get_settings
+
+_RAW = argparse.RawDescriptionHelpFormatter
+
+
+def register_replay(rsub: argparse._SubParsersAction) -> None:
+    """Add ``events``, ``explain``, ``republish`` and ``waterfall`` to ``trajbus replay``."""
+    e = rsub.add_parser(
+        "events", help="a sandbox's event timeline (from Kafka or the archive)",
+        formatter_class=_RAW,
+        description="Print what a sandbox did: its lifecycle, heartbeats, probes, tool calls "
+        "and results, trace chunks, episode starts and ends, one line each.\n\n"
+        "Reads the raw input topics (sandbox events and trace chunks) from the beginning up to "
+        "their current end (bounded: it terminates while producers keep writing), keeps the "
+        "sandbox's events, drops duplicates by event id and orders them: sandbox-level events "
+        "by time, then each episode (earliest first) by sequence number.",
+        epilog="examples:\n"
+        "  trajbus replay events --sandbox sb-17\n"
+        "  trajbus replay events --sandbox sb-17 --episode ep-3 --expand\n"
+        "  trajbus replay events --sandbox sb-17 --from 2025-01-01T10:00 --to 2025-01-01T11:00\n"
+        "  trajbus replay events --sandbox sb-17 --json | jq .summary")
+    e.add_argument("--sandbox", required=True, help="sandbox id")
+    e.add_argument("--episode", default=None, help="only this episode's events")
+    e.add_argument("--from", dest="from_", default=None, metavar="ISO",
+                   help="only events at or after this time (ISO-8601, UTC if no zone; or "
+                   "epoch ms)")
+    e.add_argument("--to", default=None, metavar="ISO",
+                   help="only events at or before this time (ISO-8601 or epoch ms)")
+    _add_source(e)
+    e.add_argument("--json", action="store_true",
+                   help="one JSON object per event (with the decoded record)")
+    e.add_argument("--expand", action="store_true",
+                   help="show trace chunks' text (and, with --json, bytes as base64)")
+    e.set_defaults(func=_events)
+
+    x = rsub.add_parser(
+        "explain", help="why the processors decided what they did about a sandbox",
+        formatter_class=_RAW,
+        description="Re-run the scheduler (and the watchdog, when built) over the retained "
+        "log with the same code the workers run, and list every decision and alert about the "
+        "sandbox with the events that caused it. Then compare with what was recorded on the "
+        "decisions and alerts topics by event id (ids are deterministic) and list divergences: "
+        "recorded but not reproduced, reproduced but not recorded, same id with different "
+        "content.\n\n"
+        "Input order: the live interleaving of partitions is not recorded; the re-run merges "
+        "partitions by record timestamp (each in offset order), the best available "
+        "approximation. Reads every input of the scheduler (it is global), so it costs a full "
+        "read of the retained log.\n\n"
+        "Exit status: 0 consistent, 3 divergences found.")
+    x.add_argument("--sandbox", required=True, help="sandbox id")
+    x.add_argument("--json", action="store_true", help="the explanation as one JSON object")
+    x.set_defaults(func=_explain)
+
+    p = rsub.add_parser(
+        "republish", help="re-emit an episode to a debug replay topic for a trainer",
+        formatter_class=_RAW,
+        description="Read one episode from the log and publish it as replay segments (events "
+        "in sequence order, duplicates dropped; split only at sequence gaps and size limits) "
+        "to a debug replay topic, by default trajbus.replay.debug-TASK. A trainer reads it "
+        "like any replay topic by subscribing to the task 'debug-TASK', e.g.\n"
+        "  ReplayClient(['debug-TASK'], group_id='my-debug')\n"
+        "  trajbus replay tail --task debug-TASK\n"
+        "Republishing twice produces segments with the same event ids; the ReplayClient "
+        "drops the second copy.")
+    p.add_argument("--task", required=True, help="the episode's task (names the debug topic)")
+    p.add_argument("--sandbox", required=True, help="sandbox id")
+    p.add_argument("--episode", required=True, help="episode id")
+    p.add_argument("--to-topic", default=None, metavar="TOPIC",
+                   help="target topic (default: <prefix>.replay.debug-TASK)")
+    _add_source(p)
+    p.set_defaults(func=_republish)
+
+    w = rsub.add_parser(
+        "waterfall", help="an episode's step-time waterfall (where the time went) as HTML/PNG",
+        formatter_class=_RAW,
+        description="Per tool call: ToolCall -> ToolResult duration (matched by call id), the "
+        "gaps between steps as agent think time, and each tool's share of the episode. The "
+        "HTML report is one self-contained file (inline CSS and SVG, no script, no network). "
+        "--png needs matplotlib or a headless Chromium (chromium / chromium-headless-shell on "
+        "PATH, or TRAJBUS_CHROMIUM).")
+    w.add_argument("--sandbox", required=True, help="sandbox id")
+    w.add_argument("--episode", required=True, help="episode id")
+    w.add_argument("--out", required=True, type=Path, metavar="report.html",
+                   help="where to write the HTML report")
+    w.add_argument("--png", default=None, type=Path, metavar="out.png",
+                   help="also write a PNG image")
+    _add_source(w)
+    w.set_defaults(func=_waterfall)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the top-level ``status``, ``scheduler status`` and ``watchdog explain``."""
+    s = sub.add_parser(
+        "status", help="processors' consumer lag, dead letters, replay topics",
+        description="Consumer lag of each processor group (reorder, watchdog, scheduler) per "
+        "input topic, the number of records on the dead-letter topic and the replay topics "
+        "with their record counts. Counts come from offsets (transaction markers included), "
+        "so they are upper bounds on transactional topics.")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=_status)
+
+    sch = sub.add_parser("scheduler", help="inspect the scheduler's state",
+                         description="Inspect the scheduler processor's state.")
+    sch.set_defaults(help_parser=sch)
+    ssub = sch.add_subparsers(dest="scheduler_command", metavar="ACTION")
+    st = ssub.add_parser(
+        "status", help="sandboxes by state, expiring leases, queues, node headroom",
+        description="Rebuild the scheduler's state from its committed changelog topic "
+        "(<prefix>.scheduler.state, what a restarted worker would load) and print: sandboxes "
+        "by lifecycle state, leases close to expiry, draining sandboxes, queued requests and "
+        "credit per tenant, nodes by headroom. Times are the scheduler's own clock (the "
+        "latest event time it processed).")
+    st.add_argument("--json", action="store_true", help="print core.status() as JSON")
+    st.set_defaults(func=_scheduler_status)
+
+    wd = sub.add_parser("watchdog", help="inspect the watchdog's loop detection",
+                        description="Inspect the watchdog processor.")
+    wd.set_defaults(help_parser=wd)
+    wsub = wd.add_subparsers(dest="watchdog_command", metavar="ACTION")
+    we = wsub.add_parser(
+        "explain", help="why the loop rule fired or not for a sandbox",
+        description="For each tracked stream (episode) of the sandbox: the loop thresholds, "
+        "and for every cycle length the current repetition window (pattern, repeats, span, "
+        "result changes) with what keeps it from firing. By default from the live state "
+        "(restored from <prefix>.watchdog.state; ended episodes are no longer tracked there); "
+        "--from-log rebuilds it from the sandbox's events instead, leaving out episode ends, "
+        "so finished episodes can be explained too.")
+    we.add_argument("--sandbox", required=True, help="sandbox id")
+    we.add_argument("--episode", default=None, help="only this episode")
+    we.add_argument("--from-log", action="store_true",
+                    help="rebuild from the sandbox's events instead of the live state")
+    we.set_defaults(func=_watchdog_explain)
+
+
+def _add_source(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--source", choices=("kafka", "archive"), default="kafka",
+                   help="read the Kafka topics (default; within their retention) or the "
+                   "Parquet archive")
+
+
+# -- handlers --------------------------------------------------------------------------------
+def _events(args: argparse.Namespace) -> int:
+    from trajbus.consumers.operator import read_sandbox_log
+
+    entries = asyncio.run(read_sandbox_log(get_settings(), args.sandbox, episode=args.episode,
+                                           from_ms=args.from_, to_ms=args.to,
+                                           source=args.source))
+    for e in entries:
+        if args.json:
+            print(json.dumps(e.to_dict(expand=args.expand)))
+        else:
+            print(e.line(expand=args.expand))
+    if not entries and not args.json:
+        print(f"no events of sandbox {args.sandbox}"
+              + (f" episode {args.episode}" if args.episode else ""), file=sys.stderr)
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from trajbus.consumers.operator import explain
+
+    result = asyncio.run(explain(get_settings(), args.sandbox))
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.render())
+    return 0 if result.consistent else 3
+
+
+def _republish(args: argparse.Namespace) -> int:
+    from trajbus.consumers.operator import debug_replay_task, republish
+
+    r = asyncio.run(republish(get_settings(), args.task, args.sandbox, args.episode,
+                              to_topic=args.to_topic, source=args.source))
+    print(f"published {r.events} events (seq {r.first_seq}..{r.last_seq}) in {r.segments} "
+          f"segment(s) to {r.topic}" + ("" if r.is_last else " (episode has no end yet)")
+          + (f"; gaps {list(r.gaps)}" if r.gaps else ""))
+    if args.to_topic is None:
+        print(f"a trainer reads it with task {debug_replay_task(args.task)!r}, e.g. "
+              f"`trajbus replay tail --task {debug_replay_task(args.task)}`")
+    return 0
+
+
+def _waterfall(args: argparse.Namespace) -> int:
+    from trajbus.consumers.operator import read_sandbox_log
+    from trajbus.consumers.waterfall import (
+        PngUnavailableError,
+        build_waterfall,
+        render_html,
+        render_png,
+    )
+
+    entries = asyncio.run(read_sandbox_log(get_settings(), args.sandbox, episode=args.episode,
+                                           source=args.source))
+    if not entries:
+        print(f"no events of sandbox {args.sandbox} episode {args.episode}", file=sys.stderr)
+        return 1
+    args.out.write_text(render_html(entries, args.episode), encoding="utf-8")
+    print(f"wrote {args.out}: {build_waterfall(entries, args.episode).headline}")
+    if args.png:
+        try:
+            render_png(entries, args.png, args.episode)
+        except PngUnavailableError as exc:
+            print(f"no PNG: {exc}", file=sys.stderr)
+            return 1
+        print(f"wrote {args.png}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from trajbus.consumers.operator import fleet_status
+
+    st = asyncio.run(fleet_status(get_settings()))
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    print(f"kafka {st['bootstrap_servers']}")
+    print("processor lag (records not yet committed by the group):")
+    for name, g in st["processors"].items():
+        if not g["available"]:
+            print(f"  {name:<10} (not built)")
+            continue
+        detail = ", ".join(f"{t}={n}" for t, n in g["lag"].items()) or "no input topics yet"
+        print(f"  {name:<10} {g['total_lag']:>8}  {detail}")
+    print(f"dead letters: {st['dead_letters']} on {st['deadletter_topic']}")
+    print("replay topics:" if st["replay_topics"] else "replay topics: none")
+    for t, info in st["replay_topics"].items():
+        print(f"  {t:<50} task {info['task']:<24} {info['records']} records")
+    return 0
+
+
+def _scheduler_status(args: argparse.Namespace) -> int:
+    from trajbus.consumers.operator import restore_scheduler
+
+    core = asyncio.run(restore_scheduler(get_settings()))
+    st: dict[str, Any] = core.status()
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    print(f"scheduler time: {st['now_ms']}")
+    print("sandboxes by state: " + ", ".join(
+        f"{k}={v}" for k, v in st["sandboxes_by_state"].items()))
+    print(f"leases near expiry: {len(st['leases_expiring'])}")
+    for e in st["leases_expiring"]:
+        print(f"  {e['sandbox']:<24} {e['state']:<12} node {e['node']} tenant {e['tenant']} "
+              f"remaining {e['remaining_ms']} ms")
+    if st["draining"]:
+        print(f"draining: {len(st['draining'])}")
+        for d in st["draining"]:
+            print(f"  {d['sandbox']:<24} {d['reason']} grace ends {d['grace_ends_ms']} "
+                  f"drained={d['drained']} suspicious={d['suspicious']}")
+    print("queue per tenant:")
+    for name, t in st["queued_by_tenant"].items():
+        print(f"  {name:<20} queued {t['queued']:<5} usage {t['usage_cpu']:g}/"
+              f"{t['limit_cpu']:g} cpu (credit {t['credit_cpu']:g})"
+              + (" DEMOTED" if t["demoted"] else ""))
+    print("nodes by headroom:")
+    for n in st["nodes_by_headroom"]:
+        print(f"  {n['node']:<20} cpu {n['cpu_free']:g}/{n['cpu_total']:g} mem "
+              f"{n['memory_free_mb']}/{n['memory_total_mb']} MB gpu {n['gpu_free']:g}/"
+              f"{n['gpu_total']:g} sandboxes {n['sandboxes']}"
+              + ("" if n["fresh"] else " STALE"))
+    return 0
+
+
+def _watchdog_explain(args: argparse.Namespace) -> int:
+    from trajbus.consumers.operator import watchdog_explain
+
+    found = asyncio.run(watchdog_explain(get_settings(), args.sandbox, args.episode,
+                                         from_log=args.from_log))
+    if not found:
+        where = "its events" if args.from_log else "the live watchdog state"
+        print(f"no tracked stream of sandbox {args.sandbox} in {where}"
+              + ("" if args.from_log else " (ended episodes: try --from-log)"))
+        return 0
+    for ex in found:
+        print(ex.render())
+    return 0
