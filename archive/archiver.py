@@ -248,6 +248,9 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
                 if committed is None:
                     committed = (await consumer.beginning_offsets([tp]))[tp]
                 pending = await call_shell(shell.assigned, tp.topic, tp.partition, committed)
+                # Records of this partition may have been handed out before this callback ran;
+                # the shell just dropped them, so read again from the committed offset.
+                consumer.seek(tp, committed)
                 if pending:
                     log.info("replaying %d uncommitted batch boundaries of %s-%d",
                              len(pending), tp.topic, tp.partition)
@@ -289,6 +292,18 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
                     if waited > assignment_timeout_s:
                         raise TimeoutError(f"no partitions of {topics} assigned to group "
                                            f"{group_id} within {assignment_timeout_s:.0f}s")
+                    continue
+                # until-idle is a single-member run: wait until the group owns every partition
+                # of every topic (a topic whose metadata came late joins in a later rebalance).
+                expected = {TopicPartition(t, p) for t in topics
+                            for p in consumer.partitions_for_topic(t) or ()}
+                if any(not consumer.partitions_for_topic(t) for t in topics) or \
+                        not expected <= set(assignment):
+                    waited += poll_timeout_ms / 1000
+                    if waited > assignment_timeout_s:
+                        raise TimeoutError(f"not every partition of {topics} was assigned to "
+                                           f"group {group_id} within "
+                                           f"{assignment_timeout_s:.0f}s")
                     continue
                 missing = [tp for tp in assignment if tp not in ends]
                 if missing:

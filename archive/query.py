@@ -217,3 +217,26 @@ def reassemble_trace(events: pa.Table | Iterable[dict[str, Any]]) -> tuple[bytes
             buf.extend(b"\x00" * (off - len(buf)))
         buf[off:off + len(data)] = data
     return bytes(buf), missing
+
+
+def sandbox_events(settings: Any, sandbox: str, episode: str | None = None
+                   ) -> list[dict[str, Any]]:
+    """Every archived event of one sandbox (all tasks; one episode when given), as archive
+    rows with ``kind``: the operators' `trajbus replay events --source archive`. Goes through
+    the index, so only the row groups holding the sandbox are read."""
+    from trajbus.archive.storage import open_store
+
+    validate_name("sandbox", sandbox)
+    reader = ArchiveReader(open_store(settings.archive.url, settings.archive.s3_endpoint_url))
+    m = reader.manifest()
+    idx = reader.index(manifest=m)
+    idx = idx.filter(pc.equal(idx.column("sandbox"), sandbox))
+    if episode is not None:
+        idx = idx.filter(pc.equal(idx.column("episode"), episode))
+    keys = sorted({(r["task"], r["episode"]) for r in
+                   idx.select(["task", "episode"]).to_pylist()},
+                  key=lambda k: (k[0], k[1] or ""))
+    rows: list[dict[str, Any]] = []
+    for task, ep in keys:
+        rows.extend(reader.episode(task, sandbox, ep).to_pylist())
+    return rows

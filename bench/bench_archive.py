@@ -189,8 +189,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
-    out = {"throughput": tp, "hour": hour, "lookup": look, "python": sys.version.split()[0],
-           "pyarrow": pa.__version__}
+    out: dict[str, Any] = {"throughput": tp, "hour": hour, "lookup": look,
+                           "python": sys.version.split()[0], "pyarrow": pa.__version__}
+    out["targets"] = [
+        {"measure": "archive writer / raw pyarrow events/s", "result": tp["writer_vs_raw_ratio"],
+         "target": ">= 0.5", "met": tp["writer_vs_raw_ratio"] >= 0.5},
+        {"measure": f"episode lookup via index on {look['events']:,} events (ms)",
+         "result": look["index_lookup_ms"], "target": "<= 200",
+         "met": look["index_lookup_ms"] <= 200},
+    ]
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(f"archive: writer {tp['writer_events_per_s']:,} ev/s {tp['writer_mb_per_s']} MB/s "
           f"(x{tp['writer_vs_raw_ratio']} of raw pyarrow), from-avro "

@@ -8,6 +8,12 @@ shared idempotent producer, waiting for every ack), then
 ``org.apache.kafka.tools.ProducerPerformance`` (acks=all, idempotence on, same linger, batch
 size and compression) with the same record sizes against the same topics. Prints the ratios.
 Goals: >= 0.5x ProducerPerformance records/s for small events, >= 0.8x MB/s for 256 KiB.
+
+Two more peers on the same records, broker and topic, for context (not targets): the bare
+aiokafka producer (pre-encoded values, futures gathered: the floor of any aiokafka-based
+emitter) and confluent-kafka (librdkafka, the C client most Python shops would reach for). The
+confluent-kafka rows are skipped, with a note, when the package is not installed (it is in
+the ``bench`` extra: ``pip install -e '.[bench]'``).
 """
 
 from __future__ import annotations
@@ -99,6 +105,79 @@ def _producer_perf(bootstrap: str, topic: str, count: int, size: int,
             "wall_seconds": wall, "summary": lines[-1]}
 
 
+def _confluent(bootstrap: str, topic: str, count: int, size: int,
+               kafka: Any) -> dict[str, Any]:
+    """confluent-kafka (librdkafka) producing ``count`` random records of ``size`` bytes, with
+    the same acks, idempotence, linger, batch size and compression as the others."""
+    try:
+        from confluent_kafka import Producer
+    except ImportError:
+        return {"skipped": "confluent-kafka is not installed (pip install confluent-kafka, "
+                           "or the 'bench' extra)"}
+    conf = {"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True,
+            "linger.ms": kafka.linger_ms, "batch.size": kafka.max_batch_size,
+            "message.max.bytes": kafka.max_request_size,
+            "compression.type": kafka.compression_type or "none",
+            "queue.buffering.max.kbytes": 1_048_576, "queue.buffering.max.messages": 1_000_000}
+    producer = Producer(conf)
+    value = os.urandom(size)
+    errors = 0
+
+    def on_delivery(err: Any, _msg: Any) -> None:
+        nonlocal errors
+        if err is not None:
+            errors += 1
+
+    producer.produce(topic, value, on_delivery=on_delivery)  # warm-up: metadata, connections
+    producer.flush(30)
+    t0 = time.perf_counter()
+    for _ in range(count):
+        while True:
+            try:
+                producer.produce(topic, value, on_delivery=on_delivery)
+                break
+            except BufferError:
+                producer.poll(0.005)
+        producer.poll(0)
+    left = producer.flush(300)
+    elapsed = time.perf_counter() - t0
+    return {"records": count, "record_bytes": size, "seconds": elapsed,
+            "records_per_s": count / elapsed, "mb_per_s": count * size / elapsed / 1e6,
+            "errors": errors, "unflushed": left}
+
+
+async def _aiokafka_raw(settings: Any, topic: str, count: int, size: int) -> dict[str, Any]:
+    """The bare shared aiokafka producer with pre-built values, send futures gathered in
+    chunks: no encoding, journal or bookkeeping (what the emitter's send loop costs on top)."""
+    from trajbus.bus.producer import close_producer, get_producer
+
+    producer = await get_producer(settings.kafka)
+    value = os.urandom(size)
+    await (await producer.send(topic, value))
+    t0 = time.perf_counter()
+    pending = []
+    for i in range(count):
+        pending.append(await producer.send(topic, value, key=b"sb-%d" % (i % 8)))
+        if len(pending) >= 5000:
+            await asyncio.gather(*pending)
+            pending = []
+    await asyncio.gather(*pending)
+    elapsed = time.perf_counter() - t0
+    await close_producer()
+    return {"records": count, "record_bytes": size, "seconds": elapsed,
+            "records_per_s": count / elapsed, "mb_per_s": count * size / elapsed / 1e6}
+
+
+def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    small, large = res["ratio_small_records_per_s"], res["ratio_256k_mb_per_s"]
+    return [
+        {"measure": "emitter / ProducerPerformance records/s (small events)",
+         "result": round(small, 3), "target": ">= 0.5", "met": small >= 0.5},
+        {"measure": "emitter / ProducerPerformance MB/s (256 KiB chunks)",
+         "result": round(large, 3), "target": ">= 0.8", "met": large >= 0.8},
+    ]
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from trajbus.bus.producer import close_producer
     from trajbus.bus.topics import Topics
@@ -128,6 +207,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                             / results["java_small"]["records_per_s"])
     results["ratio_256k_mb_per_s"] = large["mb_per_s"] / results["java_256k"]["mb_per_s"]
     results["goals"] = {"small_records_per_s_ratio": 0.5, "large_mb_per_s_ratio": 0.8}
+    results["aiokafka_raw_small"] = await _aiokafka_raw(settings, topics.trace_chunks,
+                                                        args.small_count, small["record_bytes"])
+    results["confluent_small"] = await asyncio.to_thread(
+        _confluent, args.bootstrap, topics.trace_chunks, args.small_count,
+        small["record_bytes"], k)
+    results["confluent_256k"] = await asyncio.to_thread(
+        _confluent, args.bootstrap, topics.trace_chunks, args.large_count,
+        large["record_bytes"], k)
+    if "skipped" not in results["confluent_small"]:
+        results["ratio_small_vs_confluent"] = (small["records_per_s"]
+                                               / results["confluent_small"]["records_per_s"])
+        results["ratio_256k_vs_confluent"] = (large["mb_per_s"]
+                                              / results["confluent_256k"]["mb_per_s"])
+    results["load_average_1m"] = round(os.getloadavg()[0], 2)
+    results["targets"] = targets(results)
     return results
 
 
@@ -154,6 +248,14 @@ def main() -> int:
     print(f"256 KiB: emitter {ls['mb_per_s']:.1f} MB/s ({ls['records_per_s']:.0f} rec/s) vs "
           f"ProducerPerformance {lj['mb_per_s']:.1f} MB/s -> ratio "
           f"{res['ratio_256k_mb_per_s']:.2f} (goal >= 0.8)")
+    raw = res["aiokafka_raw_small"]
+    print(f"bare aiokafka, small: {raw['records_per_s']:,.0f} rec/s")
+    cs, cl = res["confluent_small"], res["confluent_256k"]
+    if "skipped" in cs:
+        print(f"confluent-kafka: skipped ({cs['skipped']})")
+    else:
+        print(f"confluent-kafka (librdkafka): small {cs['records_per_s']:,.0f} rec/s, 256 KiB "
+              f"{cl['mb_per_s']:.1f} MB/s")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0

@@ -170,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     res.update(bench_lifecycle(args.repeat, args.sandboxes))
     res["placement_target_ok"] = res["placement_seconds"] < 0.5
     res["lifecycle_target_ok"] = res["lifecycle_events_per_s"] >= 100_000
+    res["targets"] = [
+        {"measure": "1,000 placements, CPU seconds", "result": res["placement_seconds"],
+         "target": "< 0.5", "met": res["placement_target_ok"]},
+        {"measure": "lifecycle/lease events/s (CPU)", "result": res["lifecycle_events_per_s"],
+         "target": ">= 100,000", "met": res["lifecycle_target_ok"]},
+    ]
     print(f"scheduler: {res['placement_requests']} requests on {res['placement_nodes']} nodes "
           f"decided in {res['placement_seconds']:.3f} s CPU ({res['placement_placed']} placed, "
           f"{res['placement_queued']} queued); lifecycle/lease "

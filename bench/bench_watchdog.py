@@ -218,6 +218,13 @@ def bench(n_sandboxes: int, pairs: int, repeat: int) -> dict[str, Any]:
         "goals_met": eps >= GOAL_EVENTS_PER_S and max(state_bytes, per_sb) <= GOAL_BYTES,
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "targets": [
+            {"measure": "watchdog tool events/s", "result": round(eps),
+             "target": f">= {GOAL_EVENTS_PER_S:,}", "met": eps >= GOAL_EVENTS_PER_S},
+            {"measure": "state bytes per sandbox (max of serialized, heap)",
+             "result": round(max(state_bytes, per_sb)), "target": f"<= {GOAL_BYTES}",
+             "met": max(state_bytes, per_sb) <= GOAL_BYTES},
+        ],
     }
 
 

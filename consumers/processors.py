@@ -13,7 +13,7 @@ from typing import Any
 
 from trajbus.bus import deadletter
 from trajbus.bus.settings import Settings
-from trajbus.bus.topics import Topics, TopicSpec
+from trajbus.bus.topics import Topics, TopicSpec, validate_name
 from trajbus.consumers import metrics
 from trajbus.consumers.runner import InRecord, OutRecord, ProcessorSpec
 from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
@@ -87,6 +87,14 @@ class ReorderProcessor(_Adapter):
             return outs
         if decoded.kind not in _REORDERED:
             return outs
+        bad = _invalid_ids(decoded.header)
+        if bad is not None:  # a replay topic name / archive path must never come from it
+            outs.append(self.dead_letter(rec, "invalid_id", bad, header=decoded.header))
+            return outs
+        if decoded.kind in _EPISODE_KINDS and decoded.header.get("episode") is None:
+            outs.append(self.dead_letter(rec, "missing_episode", f"{decoded.kind} without an "
+                                         "episode id", header=decoded.header))
+            return outs
         if self.core.clock_ms == 0:  # before the first watermark: start from the log's time
             self.core.tick(rec.timestamp_ms)
         self._convert(self.core.handle(InEvent.from_decoded(decoded, rec.value)), outs, rec)
@@ -95,6 +103,7 @@ class ReorderProcessor(_Adapter):
     def tick(self, now_ms: int) -> list[OutRecord]:
         outs: list[OutRecord] = []
         self._convert(self.core.tick(now_ms), outs, None)
+        metrics.REORDER_BUFFERED.set(self.core.counters().get("buffered", 0))  # once a tick
         return outs
 
     def _convert(self, results: list[Any], outs: list[OutRecord], rec: InRecord | None) -> None:
@@ -114,8 +123,6 @@ class ReorderProcessor(_Adapter):
                     reason += f" (kept version: {r.conflicting_with.hex()[:400]})"
                 outs.append(self.dead_letter(src, r.reason_code, reason, value=r.raw, header={
                     "task": r.task, "sandbox": r.sandbox, "episode": r.episode}))
-        c = self.core.counters()
-        metrics.REORDER_BUFFERED.set(c.get("buffered", 0))
 
     def take_dirty(self) -> dict[str, bytes | None]:
         return self.core.take_dirty()
@@ -124,6 +131,22 @@ class ReorderProcessor(_Adapter):
         self.core.restore(key, blob)
 
 
+def _invalid_ids(h: dict[str, Any]) -> str | None:
+    """Why the envelope's ids are unusable, or None. The task names a replay topic and
+    archive paths, so it must pass :func:`validate_name`; so must a sandbox id when present
+    (an empty one is the core's ``missing_sandbox``); an event id must not be empty."""
+    try:
+        validate_name("task", h.get("task") or "")
+        if h.get("sandbox"):
+            validate_name("sandbox", h["sandbox"])
+    except ValueError as exc:
+        return str(exc)
+    if not h.get("event_id"):
+        return "empty event_id"
+    return None
+
+
+_EPISODE_KINDS = frozenset({"EpisodeStart", "EpisodeEnd", "ToolCall", "ToolResult", "TraceChunk"})
 _REORDERED = frozenset({
     "EpisodeStart", "EpisodeEnd", "ToolCall", "ToolResult", "TraceChunk", "SandboxLifecycle",
     "Drained", "Heartbeat", "LivenessProbe",
@@ -218,10 +241,13 @@ def scheduler_spec(settings: Settings) -> ProcessorSpec:
     return ProcessorSpec(
         name="scheduler",
         input_topics=[topics.control, topics.nodes, topics.sandbox_events, topics.alerts],
-        tick_topics=[topics.control],
         input_pattern=replay_topics_pattern(topics),
         factory=lambda: SchedulerProcessor(settings),
         global_state=True,
+        # Decisions depend on how its topics interleave: merge them by record timestamp, the
+        # order `trajbus replay explain` re-creates from the log. Ticks go into every input
+        # partition so the merge never waits long for a quiet one.
+        ordered=True,
     )
 
 

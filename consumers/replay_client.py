@@ -126,7 +126,12 @@ class ReplayClient:
         max_staleness: int | None = None,
         current_policy_version: Callable[[], int] | None = None,
         codec: Codec | None = None,
+        commit_every_ms: int = 0,
     ) -> None:
+        """``commit_every_ms=0`` commits at every acknowledgement: after a crash the trainer
+        resumes exactly after its last acknowledgement. A positive value coalesces commits
+        (one broker round trip per interval instead of per segment) at the price of
+        re-delivering up to that interval's acknowledged segments after a crash."""
         self.settings = settings or get_settings()
         topics = Topics(self.settings)
         self.topics = [topics.replay(t) for t in tasks]
@@ -145,6 +150,9 @@ class ReplayClient:
         self._finished: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._in_flight = 0
         self._committed_at_start: dict[TopicPartition, OffsetAndMetadata] = {}
+        self.commit_every_s = commit_every_ms / 1000
+        self._dirty = False
+        self._last_commit = 0.0
         self._acked_event = asyncio.Event()
 
     async def start(self) -> None:
@@ -333,7 +341,13 @@ class ReplayClient:
 
     async def _maybe_commit(self) -> None:
         if any([p.advance() for p in self._progress.values()]):
-            await self._commit()
+            self._dirty = True
+        if self._dirty:
+            now = asyncio.get_running_loop().time()
+            if now - self._last_commit >= self.commit_every_s:
+                await self._commit()
+                self._last_commit = now
+                self._dirty = False
 
     async def _commit(self) -> None:
         if self._consumer is None or not self._progress:

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import re
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -45,6 +46,7 @@ from trajbus.schemas.models import Envelope, Tick
 
 log = logging.getLogger("trajbus.runner")
 TICK_KEY = b"_tick"
+_MAX_IDLE_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,9 @@ class ProcessorSpec:
     global_state: bool = False  # True: one core for every partition (requires one worker)
     input_pattern: str | None = None  # also consume topics matching this regex
     tick_topics: list[str] | None = None  # where the ticker writes (default: input_topics)
+    # True: records of all input partitions are processed in one deterministic order, merged
+    # by record timestamp (the order `trajbus replay explain` re-creates from the log).
+    ordered: bool = False
     extra_topics: list[TopicSpec] = field(default_factory=list)
 
 
@@ -122,12 +127,17 @@ class Runner:
         self._producer: AIOKafkaProducer | None = None
         self._known_topics: set[str] = set()
         self._lock = asyncio.Lock()
+        self._pending: dict[TopicPartition, deque[Any]] = {}
+        self._empty_since: dict[TopicPartition, float] = {}
 
     # -- state --------------------------------------------------------------------------
     def _slot(self, partition: int) -> int:
         return 0 if self.spec.global_state else partition
 
     def drop(self, revoked: Iterable[TopicPartition]) -> None:
+        for tp in revoked:
+            self._pending.pop(tp, None)  # unreleased records are re-fetched by the new owner
+            self._empty_since.pop(tp, None)
         if not self.spec.global_state:
             for tp in revoked:
                 self.cores.pop(tp.partition, None)
@@ -237,7 +247,14 @@ class Runner:
                     continue
                 if any(m.key != TICK_KEY for msgs in batch.values() for m in msgs):
                     idle_since = time.monotonic()
-                await self._process(batch)
+                if self.spec.ordered:
+                    for tp, msgs in batch.items():
+                        self._pending.setdefault(tp, deque()).extend(msgs)
+                    ready = self._release()
+                else:
+                    ready = [(tp, m) for tp, msgs in batch.items() for m in msgs]
+                if ready:
+                    await self._process(ready)
         finally:
             ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -245,29 +262,59 @@ class Runner:
             await self._consumer.stop()
             await self._producer.stop()
 
-    async def _process(self, batch: dict[TopicPartition, list[Any]]) -> None:
-        async with self._lock:
-            await self._process_locked(batch)
+    def _release(self) -> list[tuple[TopicPartition, Any]]:
+        """Ordered mode: pop records in (timestamp, topic rank, topic, partition) order of the
+        partition heads, but only while every assigned input partition has a head — its next
+        record could otherwise be older. Ticks in every input partition guarantee progress;
+        a partition silent for longer than ``_MAX_IDLE_S`` stops blocking (logged)."""
+        assert self._consumer is not None
+        rank = {t: i for i, t in enumerate(self.spec.input_topics)}
+        blocking = [tp for tp in self._consumer.assignment() if tp.topic in rank]
+        now = time.monotonic()
+        out: list[tuple[TopicPartition, Any]] = []
+        while True:
+            empty = [tp for tp in blocking if not self._pending.get(tp)]
+            if empty:
+                for tp in empty:
+                    self._empty_since.setdefault(tp, now)
+                if all(now - self._empty_since[tp] < _MAX_IDLE_S for tp in empty):
+                    break
+                log.warning("%s: partitions %s silent for %ss; not waiting for them",
+                            self.spec.name, empty, _MAX_IDLE_S)
+            heads = [tp for tp, q in self._pending.items() if q]
+            if not heads:
+                break
+            tp = min(heads, key=lambda t: (self._pending[t][0].timestamp,
+                                           rank.get(t.topic, len(rank)), t.topic, t.partition))
+            out.append((tp, self._pending[tp].popleft()))
+            if self._pending[tp]:
+                self._empty_since.pop(tp, None)
+            else:
+                self._empty_since[tp] = now
+        return out
 
-    async def _process_locked(self, batch: dict[TopicPartition, list[Any]]) -> None:
+    async def _process(self, records: list[tuple[TopicPartition, Any]]) -> None:
+        async with self._lock:
+            await self._process_locked(records)
+
+    async def _process_locked(self, records: list[tuple[TopicPartition, Any]]) -> None:
         assert self._producer is not None and self._consumer is not None
         outs: list[OutRecord] = []
         offsets: dict[TopicPartition, int] = {}
         touched: set[int] = set()
         started = time.perf_counter()
-        for tp, msgs in batch.items():
+        for tp, msg in records:
             slot = self._slot(tp.partition)
             core = self.cores.get(slot)
             if core is None:  # assignment raced the listener; restore now
                 await self._restore([tp])
                 core = self.cores[slot]
             touched.add(slot)
-            for msg in msgs:
-                rec = InRecord(tp.topic, tp.partition, msg.offset, msg.key, msg.value or b"",
-                               msg.timestamp)
-                outs.extend(core.handle(rec))
-                metrics.EVENTS_IN.labels(self.spec.name, tp.topic).inc()
-            offsets[tp] = msgs[-1].offset + 1
+            rec = InRecord(tp.topic, tp.partition, msg.offset, msg.key, msg.value or b"",
+                           msg.timestamp)
+            outs.extend(core.handle(rec))
+            metrics.EVENTS_IN.labels(self.spec.name, tp.topic).inc()
+            offsets[tp] = msg.offset + 1
         for out in outs:
             await self._ensure_output_topic(out.topic)
         async with self._producer.transaction():
@@ -283,7 +330,7 @@ class Runner:
         for out in outs:
             metrics.EVENTS_OUT.labels(self.spec.name, out.topic).inc()
         metrics.BATCH_SECONDS.labels(self.spec.name).observe(time.perf_counter() - started)
-        self.processed += sum(len(m) for m in batch.values())
+        self.processed += len(records)
 
     async def _ticker(self) -> None:
         """Publish Tick events into every partition of the tick topics (default: the input

@@ -15,7 +15,7 @@ import io
 from dataclasses import dataclass
 from typing import Any
 
-from fastavro import schemaless_reader, schemaless_writer
+from fastavro import parse_schema, schemaless_reader, schemaless_writer
 
 from trajbus.schemas.registry import SchemaInfo, SchemaRegistry, default_registry
 
@@ -74,19 +74,37 @@ class Decoded:
 
 
 class Codec:
-    """Encode and decode events. Schemas are parsed once (in the registry); stateless per call."""
+    """Encode and decode events. Schemas are parsed once (in the registry); stateless per call.
+
+    Hot path: per kind (encode) and per writer fingerprint (decode) the codec caches the
+    10-byte header and fastavro's pre-parsed schemas, so a call costs one dict lookup plus
+    fastavro's own (Cython) encoding, never a schema parse. The caches only memoise what the
+    registry returns (bundled readers never change; a fingerprint learned later is looked up
+    in the registry on its first use), so behaviour is the same as without them.
+    """
 
     def __init__(self, registry: SchemaRegistry | None = None) -> None:
         self.registry = registry or default_registry()
+        # kind (short or full name) -> (header bytes, runtime schema, reader info)
+        self._enc: dict[str, tuple[bytes, Any, SchemaInfo]] = {}
+        # writer fingerprint -> (writer info, reader info, writer runtime, reader runtime|None)
+        self._dec: dict[bytes, tuple[SchemaInfo, SchemaInfo, Any, Any]] = {}
+
+    def _encoder(self, kind: str) -> tuple[bytes, Any, SchemaInfo]:
+        hit = self._enc.get(kind)
+        if hit is None:
+            info = self.registry.reader(kind)
+            hit = (MAGIC + info.fingerprint, _runtime(info), info)
+            self._enc[kind] = hit
+        return hit
 
     def encode(self, kind: str, record: dict[str, Any]) -> bytes:
         """Encode ``record`` with the current schema of ``kind`` (short or full name)."""
-        info = self.registry.reader(kind)
+        header, schema, info = self._encoder(kind)
         buf = io.BytesIO()
-        buf.write(MAGIC)
-        buf.write(info.fingerprint)
+        buf.write(header)
         try:
-            schemaless_writer(buf, info.parsed, record, strict_allow_default=True)
+            schemaless_writer(buf, schema, record, strict_allow_default=True)
         except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
             raise EncodeError(f"{info.short_name}: {exc}") from exc
         return buf.getvalue()
@@ -105,21 +123,27 @@ class Codec:
             raise UnknownSchemaError(fp)
         return info
 
+    def _decoder(self, data: bytes) -> tuple[SchemaInfo, SchemaInfo, Any, Any]:
+        hit = self._dec.get(data[2:HEADER_LEN]) if data[:2] == MAGIC else None
+        if hit is None:
+            writer = self.writer_of(data)  # raises bad_magic / unknown_schema
+            try:
+                reader = self.registry.reader(writer.name)
+            except KeyError:
+                reader = writer
+            hit = (writer, reader, _runtime(writer),
+                   None if reader is writer else _runtime(reader))
+            self._dec[writer.fingerprint] = hit
+        return hit
+
     def decode(self, data: bytes) -> Decoded:
         """Decode to the reader schema of the writer's name (or the writer's own schema when
         this version has no reader of that name)."""
-        writer = self.writer_of(data)
-        try:
-            reader = self.registry.reader(writer.name)
-        except KeyError:
-            reader = writer
+        writer, reader, w_schema, r_schema = self._decoder(data)
         buf = io.BytesIO(data)
         buf.seek(HEADER_LEN)
         try:
-            if reader is writer:
-                record = schemaless_reader(buf, writer.parsed, None)
-            else:
-                record = schemaless_reader(buf, writer.parsed, reader.parsed)
+            record = schemaless_reader(buf, w_schema, r_schema)
         except Exception as exc:  # fastavro raises many types on corrupt input
             raise CorruptBodyError(f"{writer.short_name}: {type(exc).__name__}: {exc}") from exc
         if buf.tell() != len(data):
@@ -129,6 +153,14 @@ class Codec:
         if not isinstance(record, dict):
             raise CorruptBodyError(f"{writer.short_name}: decoded to {type(record).__name__}")
         return Decoded(reader.short_name, record, writer)
+
+
+def _runtime(info: SchemaInfo) -> Any:
+    """fastavro's pre-parsed (marked) schema for ``info``: the registry's, or parsed here for a
+    SchemaInfo built elsewhere without one."""
+    if info.runtime is not None:
+        return info.runtime
+    return parse_schema(info.parsed)
 
 
 _codec: Codec | None = None

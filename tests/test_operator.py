@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from support import Worker, consume_until, env_for, make_episodes, produce, settings_for
@@ -65,8 +66,8 @@ def _sandbox_story(sandbox: str, t0: int) -> tuple[list[m.Event], list[m.Event]]
     return events, chunks
 
 
-async def test_timeline_from_kafka_is_the_produced_events_in_order(
-        kafka_broker: object, unique_name: str) -> None:
+async def test_timeline_from_kafka_and_from_the_archive_is_the_produced_events_in_order(
+        kafka_broker: object, unique_name: str, tmp_path: Path) -> None:
     settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
     topics = Topics(settings)
     await ensure_topics(settings, topics.specs)
@@ -102,8 +103,16 @@ async def test_timeline_from_kafka_is_the_produced_events_in_order(
     (why,) = await watchdog_explain(settings, "sb-a", from_log=True)
     assert (why.episode, why.calls_seen, why.verdict) == ("ep-1", 1, "no loop")
 
-    with pytest.raises(NotImplementedError, match="archive"):
-        await read_sandbox_log(settings, "sb-a", source="archive")
+    # The same timeline from the Parquet archive (after the archiver caught up).
+    from trajbus.archive.archiver import run_archiver
+    from trajbus.bus.settings import ArchiveSettings
+
+    archived = settings.model_copy(update={"archive": ArchiveSettings(
+        url=str(tmp_path / "archive"), spool_dir=str(tmp_path / "spool"))})
+    await run_archiver(archived, until_idle=True)
+    from_archive = await read_sandbox_log(archived, "sb-a", source="archive")
+    assert [(e.event_id, e.kind, e.episode, e.seq, e.summary) for e in from_archive] == \
+        [(e.event_id, e.kind, e.episode, e.seq, e.summary) for e in timeline]
 
 
 async def _wait_consumed(settings: Settings, group: str, topic: str,

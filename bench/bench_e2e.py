@@ -1,0 +1,543 @@
+"""End to end: sandbox emitter -> Kafka -> reorder worker -> Kafka -> trainer's ReplayClient.
+
+    python bench/bench_e2e.py --bootstrap 127.0.0.1:9092 --json out.json [--events N]
+
+Starts one ``trajbus worker --processors reorder --worker-id bench`` subprocess on a fresh topic
+prefix, and measures:
+
+1. **Throughput and latency at fixed offered rates** (``--rates``, default 500, 2000, max).
+   A producer subprocess (this script with ``--produce``) drives ``--sandboxes``
+   :class:`~trajbus.producers.emitter.SandboxEmitter` s (journal, fsync group commit, the shared
+   idempotent producer) at the offered rate; the trainer side (this process) reads the replay
+   topic with a :class:`~trajbus.consumers.replay_client.ReplayClient` (read_committed,
+   acknowledging every segment). Latency of an event = wall-clock time the trainer receives it
+   - its ``event_time_ms`` (stamped by the emitter when the event is created; same host, same
+   clock). Throughput = events delivered / (last delivery - first emission). CPU seconds of
+   the producer, the worker and the trainer process are read from /proc per phase, so each
+   stage's events per CPU-second (the per-core figure SCALING.md uses) is measured too.
+2. **Segmented vs whole-episode replay** (the platform's ~30 % overlap gain). A synchronous
+   on-policy loop: the environment runs an episode (``--overlap-steps`` tool calls at a fixed
+   pace), the trainer trains on it (simulated: ``--train-ratio`` x the episode's acting time,
+   spent per event), and the next episode starts only when the trainer has finished the
+   previous one (the policy must be updated first). *Whole*: the trainer waits for the whole
+   episode (``ReplayClient.episodes``). *Segmented*: it trains on each segment as it arrives
+   (``ReplayClient.segments``), so training overlaps acting and only the last segment's work
+   remains when the episode ends. Measured: time until the trainer holds its first usable
+   segment vs the whole episode, and the loop's episodes/s in both modes (the gain).
+
+Memory at 20,000 concurrently open episodes is measured by ``bench/bench_reorder.py``
+(``memory.state_bytes_per_episode``); it is not repeated here.
+
+Targets: >= 30,000 events/s end to end (the ``max`` phase); p99 <= 100 ms at 2,000 events/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from trajbus.bus.settings import KafkaSettings, Settings, TopicSettings  # noqa: E402
+
+TARGET_EVENTS_PER_S = 30_000
+TARGET_P99_MS = 100.0
+TARGET_P99_RATE = 2_000
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def settings_for(bootstrap: str, prefix: str, partitions: int) -> Settings:
+    return Settings(kafka=KafkaSettings(bootstrap_servers=bootstrap),
+                    topics=TopicSettings(prefix=prefix, partitions=partitions))
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (and its reaped children), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / CLK_TCK
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
+    return s[k]
+
+
+def now_ms() -> float:
+    return time.time() * 1000.0
+
+
+# -- the producer subprocess -------------------------------------------------------------------
+async def produce(args: argparse.Namespace) -> dict[str, Any]:
+    """Emit ``--events`` events over ``--sandboxes`` emitters at ``--rate`` events/s (0 = as
+    fast as possible), episodes of ``--steps`` tool call/result pairs. Prints JSON."""
+    from trajbus.bus.producer import close_producer
+    from trajbus.producers.emitter import SandboxEmitter
+
+    settings = settings_for(args.bootstrap, args.prefix, args.partitions)
+    state = Path(tempfile.mkdtemp(prefix="bench-e2e-prod-"))
+    ems = [SandboxEmitter(f"{args.phase}-sb{i:04d}", args.task, settings=settings,
+                          state_dir=state / str(i), durability=args.durability)
+           for i in range(args.sandboxes)]
+    for em in ems:
+        await em.start()
+    # per sandbox: (current episode, steps done, episode counter)
+    cur: list[list[Any]] = [[None, 0, 0] for _ in ems]
+    args_obj = {"cmd": "pytest -x tests/test_parser.py", "cwd": "/work/repo", "timeout": 60}
+    result_obj = {"stdout": "3 passed in 0.41s", "rc": 0}
+    rate = args.rate
+    n = 0
+    cpu0 = time.process_time()
+    t_first = now_ms()
+    t0 = time.perf_counter()
+    i = 0
+    while n < args.events:
+        if rate > 0:  # paced: event n is due at t0 + n / rate
+            ahead = t0 + n / rate - time.perf_counter()
+            if ahead > 0.001:
+                await asyncio.sleep(ahead)
+        k = i % len(ems)
+        i += 1
+        em, st = ems[k], cur[k]
+        if st[0] is None:
+            st[0] = f"{args.phase}-ep{k}-{st[2]}"
+            st[1] = 0
+            st[2] += 1
+            await em.start_episode(st[0])
+        elif st[1] >= 2 * args.steps:
+            await em.end_episode(st[0])
+            st[0] = None
+        elif st[1] % 2 == 0:
+            await em.tool_call(st[0], "shell", args_obj, call_id=f"c{st[1]}")
+            st[1] += 1
+        else:
+            await em.tool_result(st[0], f"c{st[1] - 1}", "shell", result_obj, duration_ms=410)
+            st[1] += 1
+        n += 1
+    t_last_emit = now_ms()
+    for k, (em, st) in enumerate(zip(ems, cur, strict=True)):  # close open episodes
+        if st[0] is not None:
+            await em.end_episode(st[0])
+            n += 1
+            cur[k][0] = None
+    acked = all([await em.flush(120) for em in ems])
+    t_acked = now_ms()
+    cpu = time.process_time() - cpu0
+    for em in ems:
+        await em.close(30)
+    await close_producer()
+    shutil.rmtree(state, ignore_errors=True)
+    return {"events": n, "t_first_emit_ms": t_first, "t_last_emit_ms": t_last_emit,
+            "t_all_acked_ms": t_acked, "all_acked": acked, "cpu_s": round(cpu, 3),
+            "emit_events_per_s": round(n / max(1e-9, (t_last_emit - t_first) / 1000)),
+            "events_per_cpu_s": round(n / max(cpu, 1e-9))}
+
+
+# -- the trainer side ---------------------------------------------------------------------------
+@dataclass
+class Sink:
+    """Per-phase receipts of the trainer."""
+
+    latencies_ms: list[float] = field(default_factory=list)
+    events: int = 0
+    segments: int = 0
+    first_ms: float = 0.0
+    last_ms: float = 0.0
+    episodes_done: int = 0
+
+
+def replay_client(settings: Settings, task: str, group: str, max_in_flight: int,
+                  commit_every_ms: float) -> Any:
+    """A ReplayClient; with ``commit_every_ms`` > 0 a bench-side subclass that coalesces offset
+    commits (at most one per interval; stop() still commits everything acknowledged). The
+    stock client commits synchronously on every acknowledgement that advances the offset,
+    i.e. one broker round trip per segment (and the reorder fast path emits one-event
+    segments). Acknowledgement semantics are unchanged: a crash re-delivers at most the
+    acknowledged-but-uncommitted tail, which the trainer's dedupe drops."""
+    from trajbus.consumers.replay_client import ReplayClient
+
+    class CoalescingReplayClient(ReplayClient):
+        _last_commit = 0.0
+
+        async def _maybe_commit(self) -> None:
+            now = time.monotonic()
+            if (now - self._last_commit) * 1000 < commit_every_ms:
+                return
+            self._last_commit = now
+            await super()._maybe_commit()
+
+    cls = CoalescingReplayClient if commit_every_ms > 0 else ReplayClient
+    return cls([task], group, settings, max_in_flight=max_in_flight)
+
+
+class Trainer:
+    """A ReplayClient in a background task; each segment goes to the sink of its phase (the
+    episode id's prefix) and is acknowledged."""
+
+    def __init__(self, settings: Settings, task: str, commit_every_ms: float = 0) -> None:
+        self.client = replay_client(settings, task, f"{settings.topics.prefix}.trainer.{task}",
+                                    100_000, commit_every_ms)
+        self.sinks: dict[str, Sink] = {}
+        self.task: asyncio.Task[None] | None = None
+        self.cpu0 = 0.0
+
+    async def start(self) -> None:
+        await self.client.start()
+        self.task = asyncio.create_task(self._run())
+        consumer = self.client._consumer
+        assert consumer is not None
+        for _ in range(200):  # wait for the group join: no start-up delay in the latencies
+            if consumer.assignment():
+                break
+            await asyncio.sleep(0.05)
+
+    async def _run(self) -> None:
+        async for seg in self.client.segments():
+            t = now_ms()
+            phase = seg.episode.split("-", 1)[0]
+            sink = self.sinks.setdefault(phase, Sink())
+            if not sink.first_ms:
+                sink.first_ms = t
+            sink.last_ms = t
+            sink.segments += 1
+            sink.events += len(seg.events)
+            sink.latencies_ms.extend(t - ev.record["header"]["event_time_ms"]
+                                     for ev in seg.events)
+            if seg.is_last:
+                sink.episodes_done += 1
+            await self.client.ack(seg)
+
+    async def wait_for(self, phase: str, events: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.sinks.get(phase, Sink()).events >= events:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+        await self.client.stop()
+
+
+async def warm_up(settings: Settings, trainer: Trainer, task: str) -> None:
+    """One short episode through the whole path (topics, worker assignment, transactions)."""
+    from trajbus.producers.emitter import SandboxEmitter
+
+    state = Path(tempfile.mkdtemp(prefix="bench-e2e-warm-"))
+    ep = f"warm-{task}"
+    async with SandboxEmitter(f"warm-{task}-sb", task, settings=settings, state_dir=state,
+                              durability="os") as em:
+        await em.start_episode(ep)
+        await em.tool_call(ep, "shell", {"cmd": "true"})
+        await em.end_episode(ep)
+        await em.flush(60)
+    shutil.rmtree(state, ignore_errors=True)
+    if not await trainer.wait_for("warm", 3, 120):
+        raise RuntimeError("warm-up episode did not reach the trainer in 120 s "
+                           "(is the worker running? see its log)")
+
+
+async def rate_phase(args: argparse.Namespace, settings: Settings, trainer: Trainer,
+                     worker_pid: int, task: str, rate: int, events: int,
+                     variant: str) -> dict[str, Any]:
+    phase = (f"r{rate}" if rate else "rmax") + variant
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--produce", "--bootstrap",
+           args.bootstrap, "--prefix", settings.topics.prefix, "--partitions",
+           str(settings.topics.partitions), "--task", task, "--phase", phase, "--rate",
+           str(rate), "--events", str(events), "--sandboxes", str(args.sandboxes),
+           "--steps", str(args.steps), "--durability", args.durability]
+    w_cpu0, t_cpu0 = proc_cpu_s(worker_pid), time.process_time()
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE, cwd=ROOT)
+    out, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"producer failed ({proc.returncode}): {err.decode()[-2000:]}")
+    prod = json.loads(out.decode().strip().splitlines()[-1])
+    total = prod["events"]
+    ok = await trainer.wait_for(phase, total, timeout=max(60.0, total / 2000))
+    w_cpu, t_cpu = proc_cpu_s(worker_pid) - w_cpu0, time.process_time() - t_cpu0
+    sink = trainer.sinks.get(phase, Sink())
+    span_s = max(1e-9, (sink.last_ms - prod["t_first_emit_ms"]) / 1000)
+    lat = sink.latencies_ms
+    return {
+        "offered_events_per_s": rate or "max",
+        "events_emitted": total, "events_delivered": sink.events, "complete": ok,
+        "segments": sink.segments,
+        "emit_events_per_s": prod["emit_events_per_s"],
+        "end_to_end_events_per_s": round(sink.events / span_s),
+        "latency_ms": {"p50": round(percentile(lat, 50), 1), "p90": round(percentile(lat, 90), 1),
+                       "p99": round(percentile(lat, 99), 1), "max": round(max(lat, default=0), 1),
+                       "mean": round(statistics.fmean(lat), 1) if lat else None},
+        "cpu_s": {"producer": prod["cpu_s"], "worker": round(w_cpu, 2),
+                  "trainer": round(t_cpu, 2)},
+        "events_per_cpu_s": {"producer": prod["events_per_cpu_s"],
+                             "worker": round(total / w_cpu) if w_cpu else None,
+                             "trainer": round(total / t_cpu) if t_cpu else None},
+    }
+
+
+async def overlap_phase(args: argparse.Namespace, settings: Settings, mode: str,
+                        commit_every_ms: float) -> dict[str, Any]:
+    """The synchronous on-policy loop (see the module docstring), in one mode."""
+    from trajbus.producers.emitter import SandboxEmitter
+
+    suffix = f"c{int(commit_every_ms)}"
+    task = f"bench-{mode}-{suffix}"
+    steps, n_eps = args.overlap_steps, args.overlap_episodes
+    step_s = args.overlap_step_ms / 1000
+    act_s = 2 * steps * step_s  # acting time of one episode (call + result per step)
+    train_per_event_s = args.train_ratio * act_s / (2 * steps + 2)
+    done = [asyncio.Event() for _ in range(n_eps)]
+    first_usable: list[float] = [0.0] * n_eps
+    whole: list[float] = [0.0] * n_eps
+    started: list[float] = [0.0] * n_eps
+    client = replay_client(settings, task, f"{settings.topics.prefix}.trainer.{task}.{suffix}",
+                           10_000, commit_every_ms)
+    await client.start()
+
+    async def consume() -> None:
+        if mode == "segmented":
+            async for seg in client.segments():
+                i = int(seg.episode.rsplit("-", 1)[1])
+                if not first_usable[i] and seg.events:
+                    first_usable[i] = time.perf_counter()
+                await asyncio.sleep(train_per_event_s * len(seg.events))  # training on it
+                await client.ack(seg)
+                if seg.is_last:
+                    whole[i] = whole[i] or time.perf_counter()
+                    done[i].set()
+        else:
+            async for ep in client.episodes():
+                i = int(ep.episode.rsplit("-", 1)[1])
+                first_usable[i] = whole[i] = time.perf_counter()
+                await asyncio.sleep(train_per_event_s * len(ep.events))
+                await client.ack(ep)
+                done[i].set()
+
+    trainer = asyncio.create_task(consume())
+    consumer = client._consumer
+    assert consumer is not None
+    for _ in range(200):
+        if consumer.assignment():
+            break
+        await asyncio.sleep(0.05)
+    state = Path(tempfile.mkdtemp(prefix=f"bench-e2e-{mode}-"))
+    em = SandboxEmitter(f"{mode}-{suffix}-sb", task, settings=settings, state_dir=state)
+    await em.start()
+    t0 = time.perf_counter()
+    try:
+        for i in range(n_eps):
+            ep = f"{mode}-{suffix}-ep-{i}"
+            started[i] = time.perf_counter()
+            await em.start_episode(ep)
+            for s in range(steps):
+                await asyncio.sleep(step_s)
+                await em.tool_call(ep, "browser.click", {"x": s}, call_id=f"c{s}")
+                await asyncio.sleep(step_s)
+                await em.tool_result(ep, f"c{s}", "browser.click", {"ok": s})
+            await em.end_episode(ep)
+            await asyncio.wait_for(done[i].wait(), 60)  # on-policy: next episode needs the update
+        wall = time.perf_counter() - t0
+    finally:
+        trainer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await trainer
+        await em.close(30)
+        await client.stop()
+        shutil.rmtree(state, ignore_errors=True)
+    first = [(f - s) * 1000 for f, s in zip(first_usable, started, strict=True)]
+    full = [(w - s) * 1000 for w, s in zip(whole, started, strict=True)]
+    return {"episodes": n_eps, "wall_s": round(wall, 3),
+            "episodes_per_s": round(n_eps / wall, 4),
+            "first_usable_segment_ms_median": round(statistics.median(first), 1),
+            "whole_episode_ms_median": round(statistics.median(full), 1),
+            "acting_s_per_episode": round(act_s, 3),
+            "training_s_per_episode": round(train_per_event_s * (2 * steps + 2), 3)}
+
+
+# -- the worker -------------------------------------------------------------------------------
+def start_worker(settings: Settings, log_path: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    env.update({
+        "TRAJBUS_KAFKA__BOOTSTRAP_SERVERS": settings.kafka.bootstrap_servers,
+        "TRAJBUS_TOPICS__PREFIX": settings.topics.prefix,
+        "TRAJBUS_TOPICS__PARTITIONS": str(settings.topics.partitions),
+    })
+    out = open(log_path, "ab")
+    return subprocess.Popen([sys.executable, "-m", "trajbus", "worker", "--processors",
+                             "reorder", "--worker-id", "bench"], env=env, stdout=out,
+                            stderr=out, cwd=ROOT)
+
+
+def stop_worker(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    from trajbus.bus.admin import ensure_base_topics
+    from trajbus.bus.producer import close_producer
+
+    prefix = f"bench-e2e-{uuid.uuid4().hex[:8]}"
+    settings = settings_for(args.bootstrap, prefix, args.partitions)
+    variants = {c: ("stock" if c == 0 else f"commit{int(c)}ms") for c in args.commit_every_ms}
+    tasks = [f"bench-{v}" for v in variants.values()]
+    await ensure_base_topics(settings, [*tasks, *(f"bench-{m}-c{int(c)}" for c in variants
+                                                   for m in ("segmented", "whole"))])
+    log_path = Path(tempfile.mkdtemp(prefix="bench-e2e-")) / "worker.log"
+    worker = start_worker(settings, log_path)
+    res: dict[str, Any] = {"name": "e2e", "partitions": args.partitions,
+                           "sandboxes": args.sandboxes, "durability": args.durability,
+                           "events_per_episode": 2 * args.steps + 2, "cpus": os.cpu_count(),
+                           "load_average_1m_at_start": round(os.getloadavg()[0], 2),
+                           "trainers": {}, "segmented_vs_whole": {}}
+    try:
+        for commit_ms, name in variants.items():
+            task = f"bench-{name}"
+            trainer = Trainer(settings, task, commit_ms)
+            try:
+                await trainer.start()
+                await warm_up(settings, trainer, task)
+                phases = []
+                for rate in args.rates:
+                    events = args.events if rate == 0 else min(args.events,
+                                                               int(rate * args.seconds))
+                    print(f"[e2e] trainer {name}: offered {rate or 'max'} events/s, "
+                          f"{events} events", flush=True)
+                    phases.append(await rate_phase(args, settings, trainer, worker.pid, task,
+                                                   rate, events, name))
+                    if worker.poll() is not None:
+                        raise RuntimeError(f"worker exited {worker.returncode}; log {log_path}")
+                res["trainers"][name] = phases
+            finally:
+                await trainer.stop()
+        if args.overlap_episodes:
+            for commit_ms, name in variants.items():
+                print(f"[e2e] segmented vs whole-episode replay, trainer {name}", flush=True)
+                seg = await overlap_phase(args, settings, "segmented", commit_ms)
+                whole = await overlap_phase(args, settings, "whole", commit_ms)
+                res["segmented_vs_whole"][name] = {
+                    "segmented": seg, "whole": whole,
+                    "throughput_gain_pct": round(
+                        (seg["episodes_per_s"] / whole["episodes_per_s"] - 1) * 100, 1),
+                    "first_usable_vs_whole_ms": [seg["first_usable_segment_ms_median"],
+                                                 whole["whole_episode_ms_median"]],
+                }
+            res["segmented_vs_whole"]["train_to_act_ratio"] = args.train_ratio
+            res["segmented_vs_whole"]["note"] = (
+                "synchronous on-policy loop; gain = segmented / whole episodes per second - 1; "
+                "the platform reported ~30%")
+    finally:
+        stop_worker(worker)
+        await close_producer()
+    res["memory_20k_open_episodes"] = ("see bench_reorder.py: memory.state_bytes_per_episode "
+                                       "(20,000 open episodes in a full run)")
+    res["worker_log"] = str(log_path)
+    res["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+    res["targets"] = targets(res)
+    return res
+
+
+def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for name, rates in res.get("trainers", {}).items():
+        best = max((p["end_to_end_events_per_s"] for p in rates), default=0)
+        at = [p for p in rates if p["offered_events_per_s"] == TARGET_P99_RATE]
+        out.append({"measure": f"end-to-end events/s, best phase (trainer {name})",
+                    "result": best, "target": f">= {TARGET_EVENTS_PER_S:,}",
+                    "met": best >= TARGET_EVENTS_PER_S})
+        if at:
+            p99 = at[0]["latency_ms"]["p99"]
+            out.append({"measure": f"p99 latency at {TARGET_P99_RATE:,} events/s, ms "
+                                   f"(trainer {name})",
+                        "result": p99, "target": f"<= {TARGET_P99_MS:.0f}",
+                        "met": bool(at[0]["complete"] and p99 <= TARGET_P99_MS)})
+    for name, ov in res.get("segmented_vs_whole", {}).items():
+        if isinstance(ov, dict):
+            out.append({"measure": f"segmented vs whole-episode loop throughput gain, % "
+                                   f"(trainer {name})",
+                        "result": ov["throughput_gain_pct"], "target": "~30 (platform report)",
+                        "met": ov["throughput_gain_pct"] >= 20})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bootstrap", required=True)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--events", type=int, default=60_000,
+                    help="events of the max-rate phase (paced phases: rate x --seconds)")
+    ap.add_argument("--rates", type=lambda s: [0 if x == "max" else int(x) for x in s.split(",")],
+                    default=[500, 2000, 0], help="offered rates, comma-separated; 'max'")
+    ap.add_argument("--seconds", type=float, default=15.0, help="length of a paced phase")
+    ap.add_argument("--sandboxes", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=10, help="tool call/result pairs per episode")
+    ap.add_argument("--partitions", type=int, default=6)
+    ap.add_argument("--durability", choices=["fsync", "os"], default="fsync")
+    ap.add_argument("--commit-every-ms", type=lambda s: [float(x) for x in s.split(",")],
+                    default=[0.0, 100.0],
+                    help="trainer variants: 0 = stock ReplayClient (commit per ack), N = "
+                         "commits coalesced to one per N ms (bench-side subclass)")
+    ap.add_argument("--overlap-episodes", type=int, default=6)
+    ap.add_argument("--overlap-steps", type=int, default=20)
+    ap.add_argument("--overlap-step-ms", type=float, default=25.0)
+    ap.add_argument("--train-ratio", type=float, default=0.4,
+                    help="training time / acting time of an episode (simulated trainer)")
+    # producer subprocess mode
+    ap.add_argument("--produce", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--prefix", help=argparse.SUPPRESS)
+    ap.add_argument("--task", help=argparse.SUPPRESS)
+    ap.add_argument("--phase", help=argparse.SUPPRESS)
+    ap.add_argument("--rate", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.produce:
+        print(json.dumps(asyncio.run(produce(args))))
+        return 0
+    res = asyncio.run(main_async(args))
+    for name, phases in res.get("trainers", {}).items():
+        for p in phases:
+            lat = p["latency_ms"]
+            print(f"e2e [{name}] offered {p['offered_events_per_s']}/s: delivered "
+                  f"{p['events_delivered']:,}/{p['events_emitted']:,} at "
+                  f"{p['end_to_end_events_per_s']:,} ev/s, latency p50 {lat['p50']} ms p99 "
+                  f"{lat['p99']} ms; ev per CPU-s: {p['events_per_cpu_s']}")
+    for name, ov in res.get("segmented_vs_whole", {}).items():
+        if isinstance(ov, dict):
+            first, whole = ov["first_usable_vs_whole_ms"]
+            print(f"segmented vs whole [{name}]: first usable {first} ms vs whole {whole} ms; "
+                  f"loop throughput gain {ov['throughput_gain_pct']}%")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""Scale-out of the reorder processor: two workers in one consumer group split the input
+partitions, and together deliver every episode of a backlog in order, exactly once.
+
+Speed-up is asserted only on a machine with room for it (>= 4 cores): the broker, the test's
+producer/consumer and two workers share this project's 2-core CI machine, where one worker
+already saturates what the broker leaves free, so the measured times are recorded (in
+``bench/results/scaleout.json`` and the test's properties) but not compared; SCALING.md uses the
+per-worker CPU figure instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import Worker, make_episodes, produce, settings_for, shuffled_with_duplicates
+
+from trajbus.bus.admin import ensure_base_topics
+from trajbus.bus.settings import Settings
+from trajbus.bus.topics import Topics
+from trajbus.consumers.replay_client import ReplayClient
+from trajbus.schemas.codec import default_codec
+
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(420)]
+
+PARTITIONS = 6
+EPISODES = 1000  # ~12,000 events with duplicates: seconds of one worker's CPU
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+Episodes = dict[tuple[str, str], list[bytes]]
+
+
+async def _drain_backlog(settings: Settings, name: str, workers: list[Worker],
+                         expected: Episodes) -> tuple[float, Episodes]:
+    """Start the workers on the backlog; seconds until the trainer holds every episode."""
+    got: Episodes = {}
+    codec = default_codec()
+    async with ReplayClient(["task-a"], f"{name}-trainer", settings,
+                            max_in_flight=100_000) as client:
+        t0 = time.monotonic()
+        for w in workers:
+            w.start()
+
+        async def loop() -> None:
+            async for ep in client.episodes():
+                got[(ep.sandbox, ep.episode)] = [codec.encode(e.kind, e.record)
+                                                 for e in ep.events]
+                await client.ack(ep)
+                if len(got) >= len(expected):
+                    return
+
+        await asyncio.wait_for(loop(), 300)
+        took = time.monotonic() - t0
+    return took, got
+
+
+async def _run(kafka_broker: Any, unique_name: str, tmp_path: Path, n_workers: int
+               ) -> tuple[float, list[str]]:
+    prefix = f"{unique_name}-{n_workers}w"
+    settings = settings_for(kafka_broker.bootstrap, prefix, partitions=PARTITIONS)
+    await ensure_base_topics(settings, ["task-a"])
+    eps = make_episodes(EPISODES, seed=7, steps=8)
+    await produce(settings, Topics(settings).sandbox_events,
+                  shuffled_with_duplicates(eps, 7, dup_rate=0.05))
+    logs = [tmp_path / f"{prefix}-w{i}.log" for i in range(n_workers)]
+    workers = [Worker(settings, "reorder", worker_id=f"w{i}", log_path=logs[i])
+               for i in range(n_workers)]
+    try:
+        took, got = await _drain_backlog(settings, prefix, workers,
+                                         {(e.sandbox, e.episode): e.events for e in eps})
+    finally:
+        for w in workers:
+            w.stop()
+    assert got == {(e.sandbox, e.episode): e.events for e in eps}, \
+        "every episode in order, exactly once"
+    return took, [p.read_text(errors="replace") if p.exists() else "" for p in logs]
+
+
+async def test_two_workers_split_the_partitions_and_deliver_each_episode_once(
+        kafka_broker: Any, unique_name: str, tmp_path: Path, record_property: Any) -> None:
+    one, _ = await _run(kafka_broker, unique_name, tmp_path, 1)
+    two, logs = await _run(kafka_broker, unique_name, tmp_path, 2)
+    # Both workers of the group were given input partitions (the restore log line names them).
+    assert all("for partitions" in log for log in logs), logs
+    figures = {"episodes": EPISODES, "partitions": PARTITIONS, "cpus": os.cpu_count(),
+               "load_average_1m": round(os.getloadavg()[0], 2),
+               "one_worker_s": round(one, 2), "two_workers_s": round(two, 2),
+               "speedup": round(one / two, 2)}
+    record_property("scaleout", figures)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "scaleout.json").write_text(json.dumps(figures, indent=2) + "\n")
+    print(f"scale-out: {figures}")
+    if (os.cpu_count() or 1) >= 4:
+        assert two < one, f"two workers were not faster than one: {figures}"
