@@ -176,12 +176,17 @@ class SchedulerProcessor(_Adapter):
     })
 
     def __init__(self, settings: Settings, codec: Codec | None = None) -> None:
+        from trajbus.consumers.reorder import ReorderCore
         from trajbus.consumers.scheduler import SchedulerCore
 
         super().__init__(settings, codec)
         s = settings.scheduler
         self.core = SchedulerCore(s, node_stale_ms=s.node_stale_ms,
                                   lease_warning_ms=s.lease_warning_ms)
+        # Sandboxes publish concurrently, so a sandbox's own stream (lifecycle, heartbeats,
+        # probes, drained; gapless seqs) can arrive out of order: put it back in order with
+        # the same reorder core the trainers' replay uses, before the rules see it.
+        self.sandbox_order = ReorderCore(settings.replay, event_time_clock=False)
 
     def handle(self, rec: InRecord) -> list[OutRecord]:
         outs: list[OutRecord] = []
@@ -190,9 +195,20 @@ class SchedulerProcessor(_Adapter):
             return outs
         kind, record = decoded.kind, decoded.record
         if kind == "Tick":
-            results = self.core.tick(record["header"]["event_time_ms"],
-                                     record["header"]["event_id"])
-        elif kind == "ReplaySegment":
+            now = record["header"]["event_time_ms"]
+            results = self.core.tick(now, record["header"]["event_id"])
+            self._convert(results, outs, rec, decoded.header)
+            self._in_order(self.sandbox_order.tick(now), rec, outs)
+            return outs
+        if kind in _SANDBOX_STREAM and record["header"]["episode"] is None:
+            from trajbus.consumers.reorder import InEvent
+
+            if self.sandbox_order.clock_ms == 0:
+                self.sandbox_order.tick(rec.timestamp_ms)
+            ev = InEvent.from_decoded(decoded, rec.value)._replace(episode=_SANDBOX_EPISODE)
+            self._in_order(self.sandbox_order.handle(ev), rec, outs)
+            return outs
+        if kind == "ReplaySegment":
             if record["gap"] is not None or not record["events"]:
                 return outs  # only gap-free progress confirms delivery
             h = record["header"]
@@ -216,6 +232,26 @@ class SchedulerProcessor(_Adapter):
         self._convert(self.core.tick(now_ms), outs, None, {})
         return outs
 
+    def _in_order(self, results: list[Any], rec: InRecord, outs: list[OutRecord]) -> None:
+        """Feed the rules the sandbox-stream events the reorder core released, in order.
+        Events late after a closed gap are still applied (the rules judge legality)."""
+        from trajbus.consumers.reorder import DeadLetterOut, LateOut, SegmentOut
+
+        released: list[bytes] = []
+        for r in results:
+            if isinstance(r, SegmentOut):
+                released.extend(r.events)
+            elif isinstance(r, LateOut):
+                released.append(r.raw)
+            elif isinstance(r, DeadLetterOut):
+                outs.append(self.dead_letter(rec, r.reason_code, r.reason, value=r.raw,
+                                             header={"task": r.task, "sandbox": r.sandbox}))
+        for raw in released:
+            event = self.codec.decode(raw)
+            record = {**event.record,
+                      "header": {**event.record["header"], "event_time_ms": rec.timestamp_ms}}
+            self._convert(self.core.handle(event.kind, record), outs, rec, record["header"])
+
     def _convert(self, results: list[Any], outs: list[OutRecord], rec: InRecord | None,
                  header: dict[str, Any]) -> None:
         from trajbus.consumers.scheduler import DecisionOut
@@ -230,10 +266,19 @@ class SchedulerProcessor(_Adapter):
                 outs.append(self.dead_letter(rec, r.reason_code, r.reason, header=header))
 
     def take_dirty(self) -> dict[str, bytes | None]:
-        return self.core.take_dirty()
+        dirty = self.core.take_dirty()
+        dirty.update({f"order/{k}": v for k, v in self.sandbox_order.take_dirty().items()})
+        return dirty
 
     def restore(self, key: str, blob: bytes) -> None:
-        self.core.restore(key, blob)
+        if key.startswith("order/"):
+            self.sandbox_order.restore(key[len("order/"):], blob)
+        else:
+            self.core.restore(key, blob)
+
+
+_SANDBOX_STREAM = frozenset({"SandboxLifecycle", "Heartbeat", "LivenessProbe", "Drained"})
+_SANDBOX_EPISODE = "\x00sandbox"  # the sandbox-level stream, as a pseudo-episode of the core
 
 
 def scheduler_spec(settings: Settings) -> ProcessorSpec:

@@ -30,8 +30,10 @@ acknowledged, the outcome, and which episodes loop, so tests can check pipeline 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -71,6 +73,9 @@ class SimConfig:
     start_ms: int = DEFAULT_START_MS
     durability: str = "os"
     concurrency: int = 256
+    # > 0: nodes keep reporting every this many wall-clock seconds while the fleet runs (a live
+    # scheduler marks nodes stale without reports); 0: one burst at the start (deterministic).
+    node_report_every_s: float = 0.0
 
 
 @dataclass
@@ -350,12 +355,13 @@ class _Sim:
         return {"event_id": eid, "task": task, "sandbox": sandbox, "episode": None, "seq": seq,
                 "event_time_ms": t, "producer_id": pid, "policy_version": None}
 
-    async def node_reports(self, rounds: int = 20) -> None:
+    async def node_reports(self, rounds: int = 20, first_round: int = 0,
+                           now_ms: int | None = None) -> None:
         producer = await get_producer(self.settings.kafka)
-        rng = random.Random(f"{self.cfg.seed}:nodes")
+        rng = random.Random(f"{self.cfg.seed}:nodes:{first_round}")
         futs = []
-        for r in range(rounds):
-            t = self.cfg.start_ms + r * 500
+        for r in range(first_round, first_round + rounds):
+            t = (self.cfg.start_ms + r * 500) if now_ms is None else now_ms
             for n in range(self.cfg.nodes):
                 node = f"node-{n:03d}"
                 rec = {"header": self._header("_fleet", node, r, t, "sim-nodes",
@@ -410,7 +416,21 @@ async def simulate(settings: Settings, sandboxes: int = 10, episodes: int = 3, s
         async with sem:
             await _Sandbox(sim, i).run()
 
-    await asyncio.gather(*(one(i) for i in range(sandboxes)))
+    async def keep_reporting() -> None:
+        r = 20
+        while True:
+            await asyncio.sleep(cfg.node_report_every_s)
+            await sim.node_reports(1, first_round=r, now_ms=int(time.time() * 1000))
+            r += 1
+
+    reporter = asyncio.create_task(keep_reporting()) if cfg.node_report_every_s > 0 else None
+    try:
+        await asyncio.gather(*(one(i) for i in range(sandboxes)))
+    finally:
+        if reporter is not None:
+            reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporter
     m = sim.manifest()
     if manifest_path is not None:
         m.write(manifest_path)

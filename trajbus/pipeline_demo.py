@@ -80,6 +80,7 @@ async def run_pipeline(settings: Settings, sandboxes: int, episodes: int, seed: 
             settings, sandboxes=sandboxes, episodes=episodes, seed=seed,
             manifest_path=work / "manifest.json", state_root=work / "sandboxes",
             start_ms=int(time.time() * 1000), shuffle_window=4, tasks=TASKS,
+            node_report_every_s=0.5,
         )
         await close_producer()
         expected = {(e.task, e.sandbox, e.episode): e for e in manifest.episodes}
@@ -154,8 +155,11 @@ async def _trainer(settings: Settings, seed: int, view: View, started: float,
 
 async def _watch(settings: Settings, topics: list[str], view: View, stop: asyncio.Event) -> None:
     codec = default_codec()
+    # Read from the beginning and keep this run's records (by log time): "latest" would miss
+    # what the worker wrote before this consumer was assigned its partitions.
+    since_ms = int(time.time() * 1000)
     consumer = AIOKafkaConsumer(*topics, **connection_options(settings.kafka),
-                                auto_offset_reset="latest", isolation_level="read_committed",
+                                auto_offset_reset="earliest", isolation_level="read_committed",
                                 enable_auto_commit=False, group_id=None)
     await consumer.start()
     try:
@@ -163,6 +167,8 @@ async def _watch(settings: Settings, topics: list[str], view: View, stop: asynci
             batch = await consumer.getmany(timeout_ms=300)
             for msgs in batch.values():
                 for msg in msgs:
+                    if msg.timestamp < since_ms:
+                        continue
                     try:
                         d = codec.decode(msg.value)
                     except DecodeError:
