@@ -1,0 +1,155 @@
+"""The S3 endpoint unavailable or slow during archival (issue 9, fault 3).
+
+The archiver writes to moto's S3 server through a proxy the test controls
+(:class:`faults_support.PausableProxy`): it refuses connections (endpoint down) or holds them
+(endpoint hung), then recovers. Checked: no consumer offset is committed while objects are not
+durable; after recovery the archive holds every event exactly once (read back with DuckDB over
+pyarrow datasets); the committed offsets reach the end of the topics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+from urllib.parse import urlparse
+
+import boto3
+import pytest
+from faults_support import PausableProxy, committed_offsets, end_offsets
+from support import produce, settings_for
+
+from trajbus.archive.archiver import run_archiver
+from trajbus.archive.query import ArchiveReader
+from trajbus.archive.storage import open_store
+from trajbus.archive.synth import episode_events
+from trajbus.bus.admin import ensure_base_topics
+from trajbus.bus.settings import ArchiveSettings
+from trajbus.bus.topics import Topics
+
+pytestmark = [pytest.mark.kafka]
+
+
+async def _archive_through_outage(bootstrap: str, prefix: str, tmp_path: Path, s3: str,
+                                  mode: str, outage_s: float,
+                                  restart_allowed: bool) -> dict[str, object]:
+    bucket = f"b-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3).create_bucket(Bucket=bucket)
+    target = urlparse(s3)
+    proxy = PausableProxy(target.hostname or "127.0.0.1", target.port or 80).start()
+    settings = settings_for(bootstrap, prefix, archive=ArchiveSettings(
+        url=f"s3://{bucket}/arch", s3_endpoint_url=proxy.endpoint,
+        spool_dir=str(tmp_path / "spool")))
+    await ensure_base_topics(settings)
+    topics = Topics(settings)
+    events = [e for s in range(4) for ep in range(3)
+              for e in episode_events("web", f"sb-{s}", f"ep-{ep}", t0_ms=1_714_557_600_000,
+                                      trace=b"x" * 300)]
+    await produce(settings, topics.sandbox_events,
+                  [(e.header.sandbox, e.encode()) for e in events if e.KIND != "TraceChunk"])
+    await produce(settings, topics.trace_chunks,
+                  [(e.header.sandbox, e.encode()) for e in events if e.KIND == "TraceChunk"])
+    group = f"{prefix}.archiver"
+    dead: list[object] = []
+    outcome: dict[str, object] = {"restarted": False}
+    try:
+        run = asyncio.create_task(run_archiver(settings, until_idle=True, group_id=group,
+                                               dead_letter=lambda *a: dead.append(a)))
+        deadline = time.monotonic() + 30  # the store check (HEAD bucket) went through
+        while proxy.stats["bytes_down"] == 0 and not run.done():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        getattr(proxy, mode)()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < outage_s:  # the outage: nothing may be committed
+            assert await committed_offsets(settings, group) == {}, "committed while S3 down"
+            await asyncio.sleep(0.5)
+        if mode == "hold":
+            proxy.slow(0.05)  # back, but slow
+        else:
+            proxy.resume()
+        try:
+            stats = await asyncio.wait_for(run, 120)
+        except Exception as exc:  # the archiver gave up during the outage
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
+            if not restart_allowed:
+                raise
+            assert await committed_offsets(settings, group) == {}, "committed without objects"
+            outcome["restarted"] = True  # what a supervisor does: run it again
+            stats = await run_archiver(settings, until_idle=True, group_id=group,
+                                       dead_letter=lambda *a: dead.append(a))
+        outcome["stats"] = stats
+    finally:
+        proxy.stop()
+    assert dead == []
+    store = open_store(f"s3://{bucket}/arch", s3)
+    con = ArchiveReader(store).connect()
+    n = len(events)
+    keys = [o.key for o in store.list("") if o.key.endswith(".parquet")]
+    assert con.execute("SELECT count(*), count(DISTINCT event_id) FROM events").fetchone() == (
+        n, n), (outcome, keys)
+    got = con.execute("SELECT sandbox, episode, list(seq ORDER BY seq) FROM events "
+                      "GROUP BY ALL").fetchall()
+    want = {}
+    for e in events:
+        want.setdefault((e.header.sandbox, e.header.episode), []).append(e.header.seq)
+    assert {(s, ep): seqs for s, ep, seqs in got} == {k: sorted(v) for k, v in want.items()}
+    ends = await end_offsets(settings, topics.input_topics)
+    done = await committed_offsets(settings, group)
+    assert {tp: off for tp, off in ends.items() if off} == {
+        tp: off for tp, off in done.items() if ends.get(tp)}
+    return outcome
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG archive/archiver.py (S3 outage during partition assignment; root cause not fully "
+    "isolated): after the outage the archive holds rows twice (e.g. 228 or 201 rows, 156 "
+    "distinct event ids). Seen: one batch object stored twice, under events/date=.../... and "
+    "under the percent-encoded key events/date%3D.../...; and overlapping batches after the "
+    "group re-assigned partitions within one run"))
+async def test_s3_refusing_connections_for_8s_archive_ends_exactly_once(
+        kafka_broker, unique_name, tmp_path: Path, s3_server: str) -> None:
+    """Endpoint down for 8 s. botocore retries (5 attempts, randomized backoff) may or may not
+    outlast it; either way nothing is committed early, and the same run (or a restart, which
+    is what a supervisor does when the archiver gives up) ends with each event once."""
+    await _archive_through_outage(kafka_broker.bootstrap, unique_name, tmp_path, s3_server,
+                                  "refuse", 8, restart_allowed=True)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG archive/archiver.py run_archiver: the rebalance listener (on_partitions_assigned -> "
+    "ArchiveShell.assigned -> writer.pending_batches) does S3 I/O; with S3 hung it stalls the "
+    "group join, the member is evicted and either the final commit raises CommitFailedError "
+    "(UnknownMemberIdError) out of run_archiver, or the partitions are re-consumed in the same "
+    "run (312 records read for 156) and rows are archived twice (201 rows, 156 distinct)"))
+async def test_s3_hung_for_8s_then_slow_archive_ends_exactly_once_without_restart(
+        kafka_broker, unique_name, tmp_path: Path, s3_server: str) -> None:
+    """Endpoint accepts but does not answer for 8 s, then answers slowly (50 ms per chunk):
+    the archiver waits it out in one run."""
+    out = await _archive_through_outage(kafka_broker.bootstrap, unique_name, tmp_path,
+                                        s3_server, "hold", 8, restart_allowed=False)
+    assert out["restarted"] is False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG archive/archiver.py run_archiver (and archive/storage.py S3Store): no retry beyond "
+    "botocore's 5 attempts (<= ~30 s of backoff); an S3 outage longer than that raises out "
+    "of run_archiver (offsets stay uncommitted, so a restart recovers, but the archiver "
+    "itself does not ride out the outage)"))
+async def test_s3_down_30s_archiver_rides_it_out_in_one_run(
+        kafka_broker, unique_name, tmp_path: Path, s3_server: str) -> None:
+    await _archive_through_outage(kafka_broker.bootstrap, unique_name, tmp_path, s3_server,
+                                  "refuse", 30, restart_allowed=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_s3_down_30s_restart_after_outage_archives_exactly_once(
+        kafka_broker, unique_name, tmp_path: Path, s3_server: str) -> None:
+    await _archive_through_outage(kafka_broker.bootstrap, unique_name, tmp_path, s3_server,
+                                  "refuse", 30, restart_allowed=True)
