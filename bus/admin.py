@@ -72,7 +72,7 @@ async def ensure_base_topics(
 ) -> tuple[list[str], list[str]]:
     topics = Topics(settings)
     specs = topics.specs + [
-        topics.replay_spec(t, settings.topics.partitions, settings.topics.max_message_bytes)
+        topics.replay_spec(t, settings.topics.partitions, topics.derived_max_bytes)
         for t in tasks
     ]
     return await ensure_topics(settings, specs)

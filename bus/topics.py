@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from trajbus.bus.settings import Settings
 
 DAY_MS = 24 * 3600 * 1000
+WRAP_HEADROOM = 1024 * 1024
 _TASK_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,120}$")
 
 
@@ -44,6 +45,9 @@ class Topics:
         p = settings.topics.prefix
         n = settings.topics.partitions
         big = settings.topics.max_message_bytes
+        # Derived records wrap an input record (a dead letter, a one-event replay segment):
+        # their topics accept a little more, so the largest valid input always fits.
+        self.derived_max_bytes = derived = big + WRAP_HEADROOM
         self.prefix = p
         self.sandbox_events = f"{p}.sandbox.events"
         self.trace_chunks = f"{p}.trace.chunks"
@@ -67,9 +71,9 @@ class Topics:
             TopicSpec(self.alerts, n, "watchdog alerts with evidence", "sandbox"),
             TopicSpec(self.deadletter, n, "input a processor could not accept, with reason "
                       "and original bytes", "source key", retention_ms=30 * DAY_MS,
-                      max_message_bytes=big),
+                      max_message_bytes=derived),
             TopicSpec(self.late, n, "events that arrived after their gap was closed", "episode",
-                      max_message_bytes=big),
+                      max_message_bytes=derived),
             TopicSpec(self.schemas, 1, "writer schemas by fingerprint (compacted)",
                       "fingerprint hex", retention_ms=-1, compacted=True),
         ]

@@ -34,6 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "restarted worker fences its previous incarnation (default w0)")
     w.add_argument("--until-idle", type=float, default=None, metavar="SECONDS",
                    help="exit after no input for this long (for batch runs and tests)")
+    w.add_argument("--engine", choices=("aiokafka", "faust"), default="aiokafka",
+                   help="aiokafka (default): transactional, nothing twice after a crash; "
+                   "faust: faust-streaming agents over the same adapters, at-least-once "
+                   "(reorder only; see consumers/faust_app.py)")
     w.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port")
     w.add_argument("-v", "--verbose", action="store_true", help="log progress")
@@ -105,9 +109,27 @@ def _worker(args: argparse.Namespace) -> int:
         from trajbus.consumers.metrics import start_http_server
 
         start_http_server(args.metrics_port, addr="127.0.0.1")
+    if args.engine == "faust":
+        return _faust_worker(args, names)
     counts = asyncio.run(run_workers(get_settings(), names, args.worker_id, args.until_idle))
     print(json.dumps({"processed": counts}), file=sys.stderr)
     return 0
+
+
+def _faust_worker(args: argparse.Namespace, names: list[str]) -> int:
+    from trajbus.consumers.faust_app import UnsupportedProcessor, build_engine
+
+    if args.until_idle is not None:
+        print("--until-idle is not supported with --engine faust", file=sys.stderr)
+        return 2
+    try:
+        engine = build_engine(get_settings(), names, args.worker_id)
+    except (UnsupportedProcessor, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    code = engine.run(verbose=args.verbose)
+    print(json.dumps({"processed": {engine.spec.name: engine.processed}}), file=sys.stderr)
+    return code
 
 
 def _replay_tail(args: argparse.Namespace) -> int:

@@ -43,10 +43,16 @@ class _Adapter:
         deadletter.count(self.stage, code)
         metrics.DEAD_LETTERS.labels(self.stage, code).inc()
         h = header or {}
+        original = rec.value if value is None else value
+        room = self.topics.derived_max_bytes - 64 * 1024
+        if len(original) > room:  # never a poison pill: the full record stays in its topic
+            reason += (f" (original of {len(original)} bytes truncated to {room}; the whole "
+                       f"record is at {rec.topic}/{rec.partition}@{rec.offset})")
+            original = original[:room]
         event = deadletter.dead_letter_event(
             stage=self.stage, reason_code=code, reason=reason, source_topic=rec.topic,
             source_partition=rec.partition, source_offset=rec.offset, key=rec.key,
-            value=rec.value if value is None else value, producer_id=self.producer_id,
+            value=original, producer_id=self.producer_id,
             task=h.get("task") or "_unknown", sandbox=h.get("sandbox") or "_unknown",
             episode=h.get("episode"), event_time_ms=h.get("event_time_ms") or rec.timestamp_ms,
         )

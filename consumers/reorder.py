@@ -540,6 +540,10 @@ class ReorderCore:
         if ev.kind == "EpisodeStart" and seq != 0:
             out.append(self._dl(ev, "bad_start_seq", f"EpisodeStart with seq {seq} (must be 0)"))
             return
+        if ev.kind == "EpisodeEnd" and seq == 0:  # seq 0 is the EpisodeStart's
+            out.append(self._dl(ev, "bad_start_seq", "EpisodeEnd at seq 0: the episode ends "
+                                "before it starts"))
+            return
         is_end = ev.outcome is not None
         if ev.kind == "EpisodeEnd" and not is_end:
             out.append(self._dl(ev, "missing_outcome", "EpisodeEnd without outcome"))

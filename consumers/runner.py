@@ -192,7 +192,7 @@ class Runner:
         parts = 1 if self.spec.global_state else self.settings.topics.partitions
         specs = [TopicSpec(self.changelog, parts, f"{self.spec.name} state changelog",
                            "state key", retention_ms=-1, compacted=True,
-                           max_message_bytes=self.settings.topics.max_message_bytes)]
+                           max_message_bytes=self.topics.derived_max_bytes)]
         specs += self.topics.specs + list(self.spec.output_topics()) + self.spec.extra_topics
         specs += [TopicSpec(t, parts, "ticks", "-", retention_ms=3_600_000)
                   for t in self.spec.tick_topics or () if t not in {s.name for s in specs}]
@@ -204,7 +204,7 @@ class Runner:
             return
         await ensure_topics(self.settings, [TopicSpec(
             topic, self.settings.topics.partitions, "derived output", "episode",
-            max_message_bytes=self.settings.topics.max_message_bytes)])
+            max_message_bytes=self.topics.derived_max_bytes)])
         self._known_topics.add(topic)
 
     # -- main loop ----------------------------------------------------------------------
@@ -215,7 +215,9 @@ class Runner:
         k = self.settings.kafka
         self._producer = AIOKafkaProducer(**producer_options(
             k, client_id=f"{self.group_id}-{self.worker_id}",
-            transactional_id=f"{self.group_id}.{self.worker_id}"))
+            transactional_id=f"{self.group_id}.{self.worker_id}",
+            # outputs wrap inputs (dead letters, segments): allow the derived topics' size
+            max_request_size=max(k.max_request_size, self.topics.derived_max_bytes + 65536)))
         self._consumer = AIOKafkaConsumer(
             **connection_options(k),
             group_id=self.group_id,

@@ -191,12 +191,7 @@ async def test_recycled_sandbox_and_episode_flood_do_not_reach_the_trainer_as_va
 
 @pytest.mark.parametrize("margin", [
     4096,
-    pytest.param(200, marks=pytest.mark.xfail(strict=True, reason=(
-        "BUG consumers/processors.py _Adapter.dead_letter + consumers/runner.py "
-        "_process_locked: a record the topic accepts (up to max.message.bytes = 8 MiB) is "
-        "wrapped whole into a DeadLetter, which is then larger than the worker producer's "
-        "max_request_size (8 MiB): MessageSizeTooLargeError escapes the transaction, the "
-        "worker exits, and every restart dies on the same record (poison pill)"))),
+    200,  # the largest record the topic accepts still fits, whole, in its dead letter
 ])
 async def test_oversize_records_are_refused_at_the_edge_or_dead_lettered(
         kafka_broker, unique_name, tmp_path: Path, margin: int) -> None:
@@ -242,10 +237,6 @@ async def test_oversize_records_are_refused_at_the_edge_or_dead_lettered(
         ("bad_magic", True)]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG consumers/reorder.py ReorderCore.handle: a "
-                   "non-EpisodeStart event at seq 0 opens the episode; an EpisodeEnd at seq 0 "
-                   "(an episode that ends before it starts) is delivered to the trainer as a "
-                   "complete episode instead of dead-lettered (bad_start_seq)")
 def test_episode_ending_before_it_starts_is_dead_lettered() -> None:
     from trajbus.bus.settings import Settings
 

@@ -13,14 +13,16 @@ import uuid
 from pathlib import Path
 
 import pytest
+from aiokafka import TopicPartition
 from support import Worker, consume_until, env_for, make_episodes, produce, settings_for
 
 from trajbus.bus.admin import ensure_topics
-from trajbus.bus.settings import SchedulerSettings
+from trajbus.bus.settings import SchedulerSettings, Settings
 from trajbus.bus.topics import Topics
 from trajbus.consumers.operator import (
     debug_replay_task,
     explain,
+    group_offsets,
     read_sandbox_log,
     republish,
     restore_scheduler,
@@ -124,6 +126,16 @@ def _decisions(values: list[bytes], sandbox: str) -> list[dict[str, object]]:
     return out
 
 
+async def _wait_processed(settings: Settings, group: str, tp: TopicPartition, offset: int,
+                          timeout: float = 60) -> None:
+    """Until ``group`` has committed ``tp`` at or beyond ``offset``."""
+    deadline = time.monotonic() + timeout
+    while (await group_offsets(settings, group)).get(tp, -1) < offset:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{group} did not process {tp} up to {offset}")
+        await asyncio.sleep(0.2)  # polling a condition, not waiting for time to pass
+
+
 async def test_explain_reproduces_a_scheduler_run_and_flags_a_planted_decision(
         kafka_broker: object, unique_name: str) -> None:
     sched = SchedulerSettings(lease_ttl_ms=3000, heartbeat_interval_ms=1000,
@@ -145,7 +157,11 @@ async def test_explain_reproduces_a_scheduler_run_and_flags_a_planted_decision(
     worker = Worker(settings, "scheduler", until_idle=8, extra_env=env).start()
     try:
         # The scheduler merges its input topics by record timestamp, so the live order is
-        # the order written here (and the order `explain` re-creates).
+        # the order written here (and the order `explain` re-creates). The short lease runs
+        # from the request's log time: wait until the worker is up (it processed the node
+        # report) before the story starts.
+        await _wait_processed(settings, f"{unique_name}.scheduler",
+                              TopicPartition(topics.nodes, 0), 1)
         request = m.SandboxRequest(header=_hdr(sb, 0, int(time.time() * 1000),
                                                event_id="req-0"),
                                    request_id="r1", tenant="acme", cpu=2, memory_mb=1024,

@@ -216,9 +216,6 @@ def test_every_library_kafka_client_takes_the_shared_connection_options() -> Non
     assert bare == []
 
 
-@pytest.mark.xfail(strict=True, reason="BUG trajbus/demo.py: the demo's read-back consumer is "
-                   "built with bootstrap_servers only (no connection_options), so `trajbus "
-                   "demo` ignores TRAJBUS_KAFKA__SECURITY_PROTOCOL / SSL_CAFILE / SASL")
 def test_demo_kafka_client_takes_the_shared_connection_options() -> None:
     calls = [c for c in _client_calls() if c[0].relative_to(REPO).as_posix() == "trajbus/demo.py"]
     assert calls and all(re.search(r"\*\*(connection_options|producer_options)\(", s)

@@ -15,6 +15,7 @@ from collections import Counter
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from trajbus.bus.kafka import connection_options
 from trajbus.bus.settings import KafkaSettings, Settings
 
 
@@ -93,8 +94,7 @@ async def _publish_and_consume(
     await register_schemas(settings)
     topic = topics.sandbox_events
     # One consumer, positioned before we publish, reads exactly this run's events back.
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka.bootstrap_servers,
-                                enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(**connection_options(settings.kafka), enable_auto_commit=False)
     await consumer.start()
     producer = await get_producer(settings.kafka)
     tps = [TopicPartition(topic, p) for p in sorted(await producer.partitions_for(topic))]
