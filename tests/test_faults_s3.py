@@ -103,7 +103,7 @@ async def _archive_through_outage(bootstrap: str, prefix: str, tmp_path: Path, s
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=False, reason=(  # timing-dependent: may pass
     "BUG archive/archiver.py (S3 outage during partition assignment; root cause not fully "
     "isolated): after the outage the archive holds rows twice (e.g. 228 or 201 rows, 156 "
     "distinct event ids). Seen: one batch object stored twice, under events/date=.../... and "
@@ -119,7 +119,7 @@ async def test_s3_refusing_connections_for_8s_archive_ends_exactly_once(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=False, reason=(  # timing-dependent: may pass
     "BUG archive/archiver.py run_archiver: the rebalance listener (on_partitions_assigned -> "
     "ArchiveShell.assigned -> writer.pending_batches) does S3 I/O; with S3 hung it stalls the "
     "group join, the member is evicted and either the final commit raises CommitFailedError "
