@@ -237,9 +237,12 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
     async def call_shell(fn: Callable[..., Any], *args: Any) -> Any:
         return await loop.run_in_executor(executor, fn, *args)
 
+    ready: set[Any] = set()  # partitions whose shell state matches the consumer's position
+
     class Listener(ConsumerRebalanceListener):
         async def on_partitions_revoked(self, revoked: Any) -> None:
             for tp in revoked:
+                ready.discard(tp)
                 await call_shell(shell.revoked, tp.topic, tp.partition)
 
         async def on_partitions_assigned(self, assigned: Any) -> None:
@@ -248,9 +251,10 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
                 if committed is None:
                     committed = (await consumer.beginning_offsets([tp]))[tp]
                 pending = await call_shell(shell.assigned, tp.topic, tp.partition, committed)
-                # Records of this partition may have been handed out before this callback ran;
-                # the shell just dropped them, so read again from the committed offset.
+                # Consumption of this partition starts at the committed offset, in step with
+                # the shell's state (which `assigned` just reset).
                 consumer.seek(tp, committed)
+                ready.add(tp)
                 if pending:
                     log.info("replaying %d uncommitted batch boundaries of %s-%d",
                              len(pending), tp.topic, tp.partition)
@@ -269,6 +273,7 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
             offsets[tp] = max(offsets.get(tp, 0), b.last_offset + 1)
             stats.batches += 1
             stats.objects += len(b.objects)
+            stats.rows += sum(o.rows for o in b.objects)  # archived, not merely read
         await consumer.commit(offsets)
         for tp, off in offsets.items():
             stats.committed[f"{tp.topic}:{tp.partition}"] = off
@@ -281,6 +286,12 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
         waited = 0.0
         while not stop_event.is_set():
             polled = await consumer.getmany(timeout_ms=poll_timeout_ms)
+            for tp, batch in list(polled.items()):
+                if tp not in ready and batch:
+                    # handed out before the assignment callback ran: not ours to process yet;
+                    # the callback seeks back to the committed offset
+                    consumer.seek(tp, batch[0].offset)
+                    del polled[tp]
             records = [r for batch in polled.values() for r in batch]
             stats.records += len(records)
             step = await call_shell(shell.process, records)
@@ -318,5 +329,4 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
             await consumer.stop()
         finally:
             executor.shutdown(wait=True)
-    stats.rows = shell.rows
     return stats

@@ -32,13 +32,7 @@ def _archiver(env: dict[str, str], *args: str) -> subprocess.Popen[bytes]:
                             stderr=subprocess.PIPE)
 
 
-@pytest.mark.parametrize("where", [
-    "local",
-    pytest.param("s3", marks=pytest.mark.xfail(strict=False, reason=(
-        "BUG archive/ on S3 (RELIABILITY.md bug G): after a SIGKILL between upload and commit, "
-        "a restarted archiver sometimes archives some events twice on S3 (never on a local "
-        "directory); root cause not isolated yet. Timing-dependent, so not strict."))),
-])
+@pytest.mark.parametrize("where", ["local", "s3"])
 async def test_sigkill_between_upload_and_commit_loses_and_duplicates_nothing(
         kafka_broker, unique_name, tmp_path: Path, where: str,
         request: pytest.FixtureRequest) -> None:

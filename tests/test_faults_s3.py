@@ -103,12 +103,6 @@ async def _archive_through_outage(bootstrap: str, prefix: str, tmp_path: Path, s
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(strict=False, reason=(  # timing-dependent: may pass
-    "BUG archive/archiver.py (S3 outage during partition assignment; root cause not fully "
-    "isolated): after the outage the archive holds rows twice (e.g. 228 or 201 rows, 156 "
-    "distinct event ids). Seen: one batch object stored twice, under events/date=.../... and "
-    "under the percent-encoded key events/date%3D.../...; and overlapping batches after the "
-    "group re-assigned partitions within one run"))
 async def test_s3_refusing_connections_for_8s_archive_ends_exactly_once(
         kafka_broker, unique_name, tmp_path: Path, s3_server: str) -> None:
     """Endpoint down for 8 s. botocore retries (5 attempts, randomized backoff) may or may not
@@ -119,12 +113,6 @@ async def test_s3_refusing_connections_for_8s_archive_ends_exactly_once(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(strict=False, reason=(  # timing-dependent: may pass
-    "BUG archive/archiver.py run_archiver: the rebalance listener (on_partitions_assigned -> "
-    "ArchiveShell.assigned -> writer.pending_batches) does S3 I/O; with S3 hung it stalls the "
-    "group join, the member is evicted and either the final commit raises CommitFailedError "
-    "(UnknownMemberIdError) out of run_archiver, or the partitions are re-consumed in the same "
-    "run (312 records read for 156) and rows are archived twice (201 rows, 156 distinct)"))
 async def test_s3_hung_for_8s_then_slow_archive_ends_exactly_once_without_restart(
         kafka_broker, unique_name, tmp_path: Path, s3_server: str) -> None:
     """Endpoint accepts but does not answer for 8 s, then answers slowly (50 ms per chunk):
