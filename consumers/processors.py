@@ -117,6 +117,8 @@ class ReorderProcessor(_Adapter):
 
         for r in results:
             if isinstance(r, SegmentOut):
+                if r.gap is not None:
+                    metrics.GAPS.inc()
                 value = self.codec.encode("ReplaySegment", segment_record(r, self.producer_id))
                 outs.append(OutRecord(self.topics.replay(r.task), r.episode.encode(), value))
             elif isinstance(r, LateOut):
