@@ -38,8 +38,11 @@ async def create_topic(bootstrap: str, name: str, partitions: int = 1) -> None:
     await admin.start()
     try:
         await admin.create_topics([NewTopic(name, partitions, 1)])
-        topics = await admin.list_topics()
-        assert name in topics
+        # Metadata propagates asynchronously (KRaft): wait for the topic with a deadline.
+        deadline = asyncio.get_running_loop().time() + 30
+        while name not in await admin.list_topics():
+            assert asyncio.get_running_loop().time() < deadline, f"topic {name} never appeared"
+            await asyncio.sleep(0.1)
     finally:
         await admin.close()
 
