@@ -380,6 +380,69 @@ def diff_views(expected: dict[tuple[str, str], list[tuple[int, str]]],
     return problems
 
 
+class LiveTrainer:
+    """A trainer that runs *through* faults: one :class:`ReplayClient` started before the
+    fault and kept until :meth:`stop`, written like a plain trainer (no retry, no
+    try/except around the client): every segment recorded in :attr:`view` and acknowledged at
+    once. If the client raises, the task ends and :attr:`error` holds the exception."""
+
+    def __init__(self, settings: Settings, tasks: list[str], group: str) -> None:
+        self.settings = settings
+        self.tasks = tasks
+        self.group = group
+        self.view = TrainerView()
+        self.error: BaseException | None = None
+        self.client: Any = None
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> LiveTrainer:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def _run(self) -> None:
+        from trajbus.consumers.replay_client import ReplayClient
+
+        try:
+            async with ReplayClient(self.tasks, self.group, self.settings) as client:
+                self.client = client
+                while not self._stop.is_set():
+                    async for seg in client.segments(idle_timeout=0.5):
+                        _add(self.view, seg)
+                        await client.ack(seg)
+                        if self._stop.is_set():
+                            break
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def _check(self) -> None:
+        if not self.alive:
+            raise AssertionError(f"the trainer task ended: {self.error!r}") from self.error
+
+    async def wait_until(self, cond: Any, timeout: float) -> None:
+        """Wait until ``cond(view)``; fail at once if the trainer task ended."""
+        deadline = time.monotonic() + timeout
+        while not cond(self.view):
+            self._check()
+            if time.monotonic() > deadline:
+                return  # the caller's comparison says what is missing
+            await asyncio.sleep(0.2)
+        self._check()
+
+    async def stop(self, settle_s: float = 1.5) -> None:
+        """Keep reading ``settle_s`` more seconds (a late duplicate would show), then stop."""
+        await asyncio.sleep(settle_s)
+        self._check()
+        self._stop.set()
+        assert self._task is not None
+        await asyncio.wait_for(self._task, 60)
+
+
 # -- a steadily emitting fleet -----------------------------------------------------------------
 class PacedFleet:
     """``n`` sandboxes, each running episodes of tool call/result pairs, one step every

@@ -1,0 +1,173 @@
+"""Clients running *through* a broker SIGKILL and restart (issue 9, "not covered yet"): a
+trainer's ReplayClient and the archiver, each started before the kill and kept running until
+well after the restart. Private brokers: the session broker is shared by every test.
+
+What must hold: the trainer's view per episode equals exactly what the emitters acknowledged
+(none missing, none twice, in order) and the trainer task survives; the archive holds every
+record of the source topics exactly once, every acknowledged event is in it, and the
+archiver's committed offsets reach the end of its topics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from pathlib import Path
+
+import duckdb
+import pytest
+from faults_support import (
+    LiveTrainer,
+    PacedFleet,
+    committed_offsets,
+    diff_views,
+    end_offsets,
+    own_broker,
+    read_all,
+    wait_caught_up,
+)
+from support import Worker, settings_for
+
+from trajbus.archive.archiver import run_archiver
+from trajbus.bus.admin import ensure_base_topics
+from trajbus.bus.producer import close_producer
+from trajbus.bus.settings import ArchiveSettings
+from trajbus.bus.topics import Topics
+
+pytestmark = [pytest.mark.kafka]
+
+
+async def _kill_and_restart(broker, fleet: PacedFleet, outage_s: float = 3.0) -> None:
+    """SIGKILL the broker, keep the fleet emitting through an outage, restart it."""
+    broker.kill()
+    emitted_at_kill = fleet.emitted
+    await asyncio.sleep(outage_s)  # the outage itself: its length is the fault's parameter
+    assert fleet.emitted > emitted_at_kill, "emitters blocked while the broker was down"
+    await asyncio.to_thread(broker.start, 120)
+
+
+@pytest.mark.timeout(300)
+async def test_trainer_consuming_through_broker_sigkill_sees_each_acknowledged_event_once(
+        tmp_path: Path, unique_name: str) -> None:
+    with own_broker(tmp_path / "kafka") as broker:
+        settings = settings_for(broker.bootstrap, "tr", partitions=2)
+        await ensure_base_topics(settings, ["task-a"])
+        worker = Worker(settings, "reorder", "w0", log_path=tmp_path / "worker.log").start()
+        fleet = PacedFleet(settings, tmp_path / "sandboxes", n=3, step_s=0.02,
+                           steps_per_episode=20, name="tr").start()
+        trainer = LiveTrainer(settings, ["task-a"], f"{unique_name}-trainer").start()
+        try:
+            # The trainer is receiving segments: kill the broker under it.
+            await trainer.wait_until(lambda v: sum(map(len, v.events.values())) >= 50, 90)
+            assert sum(map(len, trainer.view.events.values())) >= 50, "trainer got nothing"
+            received_before = sum(map(len, trainer.view.events.values()))
+            await _kill_and_restart(broker, fleet)
+            # production continues on the restarted broker and reaches the trainer
+            await trainer.wait_until(
+                lambda v: sum(map(len, v.events.values())) > received_before + 100, 90)
+            await fleet.stop()
+            await close_producer()
+            assert all(fleet.closed_ok), "an emitter could not flush after the restart"
+            expected = dict(fleet.acked)
+            await trainer.wait_until(lambda v: v.complete(expected), 150)
+            await trainer.stop()
+            assert worker.proc is not None and worker.proc.poll() is None, (
+                "the worker died with the broker: "
+                + (tmp_path / "worker.log").read_text()[-3000:])
+        finally:
+            worker.stop()
+    print(f"trainer stats: {trainer.client.stats if trainer.client else None}")
+    assert trainer.error is None
+    assert len(expected) >= 6
+    assert diff_views(expected, trainer.view) == []
+
+
+@pytest.mark.timeout(300)
+async def test_archiver_running_through_broker_sigkill_archives_each_record_once(
+        tmp_path: Path, unique_name: str) -> None:
+    archive = tmp_path / "archive"
+    with own_broker(tmp_path / "kafka") as broker:
+        settings = settings_for(broker.bootstrap, "ar", partitions=2, archive=ArchiveSettings(
+            url=str(archive), spool_dir=str(tmp_path / "spool"),
+            target_object_bytes=20_000))  # small objects: batches commit all the time
+        await ensure_base_topics(settings, ["task-a"])
+        topics = Topics(settings)
+        group = f"{unique_name}-archiver"
+        # sandbox ids "ar-sb-0..2" land on both partitions of the events topic
+        fleet = PacedFleet(settings, tmp_path / "sandboxes", n=3, step_s=0.02,
+                           steps_per_episode=20, name="ar").start()
+        stop = asyncio.Event()
+        archiver = asyncio.create_task(run_archiver(settings, stop, group_id=group,
+                                                    dead_letter=_no_dead_letters))
+        try:
+            # The archiver has committed batches: kill the broker under it.
+            deadline = time.monotonic() + 90
+            while not await committed_offsets(settings, group):
+                assert not archiver.done(), archiver.exception()
+                assert time.monotonic() < deadline, "the archiver never committed a batch"
+                await asyncio.sleep(0.3)
+            await _kill_and_restart(broker, fleet)
+            # archival continues after the restart: commits move again
+            before = await committed_offsets(settings, group)
+            deadline = time.monotonic() + 90
+            while (await committed_offsets(settings, group)) == before:
+                assert not archiver.done(), archiver.exception()
+                assert time.monotonic() < deadline, "no commit after the broker restart"
+                await asyncio.sleep(0.3)
+            await fleet.stop()
+            await close_producer()
+            assert all(fleet.closed_ok), "an emitter could not flush after the restart"
+            # The same run keeps archiving after the restart: its commits reach the end of
+            # the topics, short of one open batch per partition (below the object size).
+            ends = await end_offsets(settings, topics.input_topics)
+            deadline = time.monotonic() + 90
+            trace = []
+            while True:
+                assert not archiver.done(), archiver.exception()
+                committed = await committed_offsets(settings, group)
+                trace.append((round(time.monotonic() - deadline + 90, 1), committed))
+                if all(committed.get(tp, 0) >= end - 100 for tp, end in ends.items()):
+                    break
+                assert time.monotonic() < deadline, (
+                    f"the archiver stopped progressing after the restart: ends {ends}, "
+                    f"committed {trace[::10]}")
+                await asyncio.sleep(0.3)
+            # Stopping flushes the open batches and commits them; a second, until-idle run
+            # of the same group archives whatever the first had not read yet (usually
+            # nothing) -- exactly once across the two runs as well.
+            stop.set()
+            stats = await asyncio.wait_for(archiver, 120)
+            rest = await run_archiver(settings, group_id=group, until_idle=True,
+                                      dead_letter=_no_dead_letters)
+            ends = await end_offsets(settings, topics.input_topics)
+            committed = await committed_offsets(settings, group)
+            await wait_caught_up(settings, group, topics.input_topics, timeout=30)
+            records = await read_all(settings, topics.input_topics)
+        finally:
+            stop.set()
+            if not archiver.done():
+                archiver.cancel()
+    print(f"archiver stats: {stats}; until-idle run after it: {rest}; ends {ends}; "
+          f"committed {committed}")
+    # every source record exactly once, by its Kafka position (the archiver's exactly-once key)
+    rows = duckdb.sql(
+        "SELECT kafka_topic, kafka_partition, kafka_offset, event_id, count(*) "
+        f"FROM read_parquet('{archive}/events/**/*.parquet') "
+        "GROUP BY ALL").fetchall()
+    archived = Counter({(t, p, o): n for t, p, o, _, n in rows})
+    assert [k for k, n in archived.items() if n > 1] == [], "a record was archived twice"
+    assert len({(t, p) for t, p, _ in archived}) == 2  # both partitions of the events topic
+    assert set(archived) == {(r.topic, r.partition, r.offset) for r in records}
+    # every acknowledged event is there, once (counted, not deduplicated)
+    by_event = Counter()
+    for _, _, _, event_id, n in rows:
+        by_event[event_id] += n
+    acked = {eid for pairs in fleet.acked.values() for _, eid in pairs}
+    assert len(acked) >= 200
+    assert acked <= set(by_event), sorted(acked - set(by_event))[:5]
+    assert {e: n for e, n in by_event.items() if n > 1} == {}, "an event was archived twice"
+
+
+async def _no_dead_letters(*args: object) -> None:
+    raise AssertionError(f"unexpected dead letter: {args[5:]}")
