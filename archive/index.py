@@ -17,9 +17,9 @@ of the listed objects (``pyarrow.parquet.ParquetFile.read_row_groups``).
 
 from __future__ import annotations
 
-import bisect
 import io
 from collections.abc import Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -63,6 +63,11 @@ def approx_row_bytes(table: pa.Table) -> pa.Array:
     return size.combine_chunks() if isinstance(size, pa.ChunkedArray) else size
 
 
+def _row_numbers(n: int) -> pa.Array:
+    """0, 1, ..., n-1 as int64, built in C (``pa.array(range(n))`` converts n Python ints)."""
+    return pc.subtract(pc.cumulative_sum(pa.nulls(n, pa.int64()).fill_null(1)), 1)
+
+
 def build_index(table: pa.Table, object_key: str, date: str, hour: str,
                 row_group_starts: Sequence[int]) -> pa.Table:
     """Index rows for one data object. ``table`` is the object's content in file order;
@@ -76,7 +81,7 @@ def build_index(table: pa.Table, object_key: str, date: str, hour: str,
         "episode": table.column("episode"),
         "seq": table.column("seq"),
         "t": table.column("event_time_ms"),
-        "i": pa.array(range(n), pa.int64()),
+        "i": _row_numbers(n),
         "b": approx_row_bytes(table),
         "end": pc.equal(table.column("kind"), "EpisodeEnd"),
         "outcome": pc.if_else(pc.equal(table.column("kind"), "EpisodeEnd"),
@@ -91,37 +96,52 @@ def build_index(table: pa.Table, object_key: str, date: str, hour: str,
         ("end", "any"), ("outcome", "max"), ("topic", "min"), ("part", "min"),
         ("off", "min"), ("off", "max"),
     ])
-    starts = list(row_group_starts)
-    rows: dict[str, list[object]] = {f.name: [] for f in INDEX_SCHEMA}
-    for r in agg.to_pylist():
-        first, last = r["seq_min"], r["seq_max"]
-        distinct = r["seq_count_distinct"]
-        has_start = first == 0
-        has_end = bool(r["end_any"])
-        if r["episode"] is None:
-            comp = "stream"
-        elif last - first + 1 != distinct:
-            comp = "has_gaps"
-        elif has_start and has_end:
-            comp = "truncated" if r["outcome_max"] == "TRUNCATED" else "complete"
-        else:
-            comp = "partial"
-        values = {
-            "task": r["task"], "sandbox": r["sandbox"], "episode": r["episode"],
-            "object_key": object_key, "date": date, "hour": hour,
-            "first_seq": first, "last_seq": last, "event_count": r["seq_count"],
-            "distinct_seqs": distinct, "bytes": r["b_sum"],
-            "start_time_ms": r["t_min"], "end_time_ms": r["t_max"],
-            "has_start": has_start, "has_end": has_end, "outcome": r["outcome_max"],
-            "completeness": comp,
-            "row_group_first": bisect.bisect_right(starts, r["i_min"]) - 1,
-            "row_group_last": bisect.bisect_right(starts, r["i_max"]) - 1,
-            "kafka_topic": r["topic_min"], "kafka_partition": r["part_min"],
-            "first_offset": r["off_min"], "last_offset": r["off_max"],
-        }
-        for k, v in values.items():
-            rows[k].append(v)
-    out = pa.table(rows, schema=INDEX_SCHEMA)
+    return _index_rows(agg, object_key, date, hour, list(row_group_starts))
+
+
+def _row_group_of(i: pa.Array, starts: list[int]) -> pa.Array:
+    """Row group of each row index ``i``: ``bisect_right(starts, i) - 1`` (starts[0] == 0)."""
+    rg: Any = pa.scalar(-1, pa.int32())
+    for s in starts:
+        rg = pc.add(rg, pc.cast(pc.greater_equal(i, s), pa.int32()))
+    return rg
+
+
+def _index_rows(agg: pa.Table, object_key: str, date: str, hour: str,
+                starts: list[int]) -> pa.Table:
+    """The index table from the per-episode aggregates, computed column-wise."""
+    n = agg.num_rows
+    first, last = agg.column("seq_min"), agg.column("seq_max")
+    distinct = agg.column("seq_count_distinct")
+    has_start = pc.equal(first, 0)
+    has_end = pc.fill_null(agg.column("end_any"), False)
+    outcome = agg.column("outcome_max")
+    gapless = pc.equal(pc.add(pc.subtract(last, first), 1), distinct)
+    whole = pc.if_else(pc.equal(outcome, "TRUNCATED"), "truncated", "complete")
+    comp = pc.if_else(
+        pc.is_null(agg.column("episode")), "stream",
+        pc.if_else(pc.invert(gapless), "has_gaps",
+                   pc.if_else(pc.and_(has_start, has_end),
+                              pc.fill_null(whole, "complete"), "partial")))
+
+    def const(v: str) -> pa.Array:
+        return pa.nulls(n, pa.string()).fill_null(v)
+
+    cols = {
+        "task": agg.column("task"), "sandbox": agg.column("sandbox"),
+        "episode": agg.column("episode"),
+        "object_key": const(object_key), "date": const(date), "hour": const(hour),
+        "first_seq": first, "last_seq": last, "event_count": agg.column("seq_count"),
+        "distinct_seqs": distinct, "bytes": agg.column("b_sum"),
+        "start_time_ms": agg.column("t_min"), "end_time_ms": agg.column("t_max"),
+        "has_start": has_start, "has_end": has_end, "outcome": outcome,
+        "completeness": comp,
+        "row_group_first": _row_group_of(agg.column("i_min"), starts),
+        "row_group_last": _row_group_of(agg.column("i_max"), starts),
+        "kafka_topic": agg.column("topic_min"), "kafka_partition": agg.column("part_min"),
+        "first_offset": agg.column("off_min"), "last_offset": agg.column("off_max"),
+    }
+    out = pa.table([pc.cast(cols[f.name], f.type) for f in INDEX_SCHEMA], schema=INDEX_SCHEMA)
     return out.sort_by([("sandbox", "ascending"), ("episode", "ascending")])
 
 
