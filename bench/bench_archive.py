@@ -4,15 +4,30 @@
 
 Measures, on the local-directory store (the embedded default):
 
-1. throughput of ``ArchiveWriter.write_batch`` (split by date/hour/task, sort by (sandbox,
-   episode, seq), zstd Parquet, index, marker) versus raw ``pyarrow.parquet.write_table`` of
-   the same rows (zstd), in events/s and MB/s of Arrow data, and the full shell path
-   (Avro decode -> rows -> spool -> batcher -> writer) on a smaller sample;
+1. throughput of ``ArchiveWriter.write_batch`` versus plain pyarrow producing **the same
+   Parquet content** from the same in-memory Arrow table (events/s and MB/s of Arrow data,
+   best of ``--repeat`` runs, wall and process CPU time);
 2. a simulated hour of 1,000 sandboxes (scaled down to ``--hour-events`` events, 6 partitions,
    10 tasks) through the real batcher and writer: object count and median object size, before
    and after compaction;
 3. one-episode lookup through the index versus a full scan of the task, and versus DuckDB SQL
    over the ``events`` view, on an archive of ``--events`` events (default 10 million).
+
+The throughput comparison (``writer_vs_raw_ratio``, the target figure). Both sides start from
+the same Arrow table (Avro decoding is not in either side; the whole shell path from Avro bytes
+is measured separately, ``shell_from_avro_events_per_s``). Both sides must produce the same
+objects, so the raw side does what the writer's output requires with pyarrow's own
+primitives: ``Table.sort_by`` on (hour bucket, task, sandbox, episode, seq, kafka_offset),
+one ``pq.write_table`` per (hour, task) run with zstd, the writer's dictionary columns and the
+same row-group size. The bench reads every object back and asserts that each raw file holds
+exactly the rows, in the same order, of the writer's object (``same_content``). The writer
+additionally pays for what the raw side does not do: the episode index file per object, the
+batch marker, row-group byte capping, and the local store's fsync + atomic rename per file.
+
+Until 2026-11-29 the raw side was a single ``pq.write_table`` of the *unsorted* table (no sort,
+no split, no index): a different, cheaper output, which made the ratio mostly measure the sort.
+That figure is still reported as ``writer_vs_raw_write_only_ratio`` for continuity, but it is
+not the target: it does not compare equal work.
 
 Prints one summary line and writes all figures as JSON.
 """
@@ -20,6 +35,7 @@ Prints one summary line and writes all figures as JSON.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import statistics
@@ -39,7 +55,7 @@ from trajbus.archive.maintenance import compact
 from trajbus.archive.query import ArchiveReader
 from trajbus.archive.storage import LocalStore
 from trajbus.archive.synth import episode_events, synthetic_table
-from trajbus.archive.writer import ArchiveWriter
+from trajbus.archive.writer import DICTIONARY_COLUMNS, HOUR_MS, SORT_COLUMNS, ArchiveWriter
 from trajbus.bus.settings import ArchiveSettings
 
 TOPIC = "trajbus.sandbox.events"
@@ -56,15 +72,74 @@ def _timed(fn: Any, repeat: int = 1) -> tuple[float, Any]:
     return best, out
 
 
-def bench_throughput(root: Path, n: int) -> dict[str, Any]:
+def _timed_cpu(fn: Any, repeat: int) -> tuple[float, float]:
+    """Best wall and best process-CPU seconds over ``repeat`` runs."""
+    best = best_cpu = float("inf")
+    for _ in range(repeat):
+        t, c = time.perf_counter(), time.process_time()
+        fn()
+        best = min(best, time.perf_counter() - t)
+        best_cpu = min(best_cpu, time.process_time() - c)
+    return best, best_cpu
+
+
+def raw_pyarrow_objects(table: pa.Table, out_dir: Path) -> list[Path]:
+    """The writer's objects (same rows, order, compression, dictionary columns, row groups),
+    written with plain pyarrow: ``sort_by``, split into (hour, task) runs, ``write_table``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    n = table.num_rows
+    hb = pa.compute.divide(table["event_time_ms"], HOUR_MS)
+    keys = ["_hb", "task", *SORT_COLUMNS]
+    srt = table.append_column("_hb", hb).sort_by([(k, "ascending") for k in keys])
+    hb_s, task_s = srt["_hb"], srt["task"]
+    changed = pa.compute.or_(
+        pa.compute.not_equal(hb_s.slice(1), hb_s.slice(0, n - 1)),
+        pa.compute.not_equal(task_s.slice(1), task_s.slice(0, n - 1)))
+    bounds = [0, *(i + 1 for i in pa.compute.indices_nonzero(changed).to_pylist()), n]
+    data = srt.drop_columns(["_hb"])
+    paths = []
+    for k, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        path = out_dir / f"{k:04d}.parquet"
+        pq.write_table(data.slice(lo, hi - lo), path, compression="zstd",
+                       use_dictionary=DICTIONARY_COLUMNS, row_group_size=50_000)
+        paths.append(path)
+    return paths
+
+
+def _same_content(ours: list[str], store: LocalStore, raw: list[Path]) -> bool:
+    if len(ours) != len(raw):
+        return False
+    for key, path in zip(ours, raw, strict=True):
+        with store.open_input(key) as f:
+            a = pq.read_table(f).replace_schema_metadata(None)
+        b = pq.read_table(path).replace_schema_metadata(None)
+        if not a.equals(b):
+            return False
+    return True
+
+
+def bench_throughput(root: Path, n: int, repeat: int = 3) -> dict[str, Any]:
     table = synthetic_table(n, data_bytes=256, events_per_episode=200)
     mb = table.nbytes / 1e6
     store = LocalStore(root / "tp")
-    writer = ArchiveWriter(store)
-    t_ours, _ = _timed(lambda: writer.write_batch(table, TOPIC, 0, 0, n - 1))
-    raw = root / "raw.parquet"
-    t_raw, _ = _timed(lambda: pq.write_table(table, raw, compression="zstd",
-                                             row_group_size=50_000))
+    writer = ArchiveWriter(store, row_group_rows=50_000)
+    result: list[Any] = []
+
+    def ours() -> None:
+        result[:] = [writer.write_batch(table, TOPIC, 0, 0, n - 1)]
+
+    raw_paths: list[Path] = []
+
+    def raw() -> None:
+        raw_paths[:] = raw_pyarrow_objects(table, root / "raw")
+
+    t_ours, c_ours = _timed_cpu(ours, repeat)
+    t_raw, c_raw = _timed_cpu(raw, repeat)
+    same = _same_content([o.key for o in result[0].objects], store, raw_paths)
+    assert same, "raw pyarrow objects differ from the writer's objects"
+    raw1 = root / "raw.parquet"
+    t_raw1, c_raw1 = _timed_cpu(lambda: pq.write_table(table, raw1, compression="zstd",
+                                                       row_group_size=50_000), repeat)
     # The whole shell path, from Avro bytes, on a sample (per-record Python decode).
     sample: list[Any] = []
     i = 0
@@ -81,14 +156,23 @@ def bench_throughput(root: Path, n: int) -> dict[str, Any]:
         shell.process(sample)
         shell.flush_all()
 
-    t_shell, _ = _timed(run_shell)
+    t_shell, c_shell = _timed_cpu(run_shell, 1)
     return {
-        "events": n, "arrow_mb": round(mb, 1),
+        "events": n, "arrow_mb": round(mb, 1), "repeat": repeat,
+        "objects": len(result[0].objects),
         "writer_events_per_s": round(n / t_ours), "writer_mb_per_s": round(mb / t_ours, 1),
+        "writer_cpu_events_per_s": round(n / c_ours),
         "raw_pyarrow_events_per_s": round(n / t_raw), "raw_mb_per_s": round(mb / t_raw, 1),
+        "raw_pyarrow_cpu_events_per_s": round(n / c_raw),
+        "same_content": same,
         "writer_vs_raw_ratio": round(t_raw / t_ours, 3),
+        "writer_vs_raw_cpu_ratio": round(c_raw / c_ours, 3),
+        "raw_write_only_events_per_s": round(n / t_raw1),
+        "writer_vs_raw_write_only_ratio": round(t_raw1 / t_ours, 3),
+        "writer_vs_raw_write_only_cpu_ratio": round(c_raw1 / c_ours, 3),
         "shell_from_avro_events": len(sample),
         "shell_from_avro_events_per_s": round(len(sample) / t_shell),
+        "shell_from_avro_cpu_events_per_s": round(len(sample) / c_shell),
     }
 
 
@@ -179,11 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hour-events", type=int, default=600_000,
                     help="events of the simulated hour (scaled down from ~1e8)")
     ap.add_argument("--target-mb", type=float, default=64.0)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="throughput: best of N runs per side (default 3)")
     ap.add_argument("--dir", help="work directory (default: a temp dir, removed afterwards)")
     args = ap.parse_args(argv)
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-archive-"))
     try:
-        tp = bench_throughput(root, args.throughput_events)
+        tp = bench_throughput(root, args.throughput_events, max(1, args.repeat))
         hour = bench_hour(root, args.hour_events, int(args.target_mb * 1024 * 1024))
         look = bench_lookup(root, args.events)
     finally:
@@ -192,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"throughput": tp, "hour": hour, "lookup": look,
                            "python": sys.version.split()[0], "pyarrow": pa.__version__}
     out["targets"] = [
-        {"measure": "archive writer / raw pyarrow events/s", "result": tp["writer_vs_raw_ratio"],
+        {"measure": "archive writer / raw pyarrow events/s (same objects)",
+         "result": tp["writer_vs_raw_ratio"],
          "target": ">= 0.5", "met": tp["writer_vs_raw_ratio"] >= 0.5},
         {"measure": f"episode lookup via index on {look['events']:,} events (ms)",
          "result": look["index_lookup_ms"], "target": "<= 200",
@@ -200,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(f"archive: writer {tp['writer_events_per_s']:,} ev/s {tp['writer_mb_per_s']} MB/s "
-          f"(x{tp['writer_vs_raw_ratio']} of raw pyarrow), from-avro "
+          f"(x{tp['writer_vs_raw_ratio']} of raw pyarrow writing the same objects, "
+          f"x{tp['writer_vs_raw_cpu_ratio']} in CPU; x{tp['writer_vs_raw_write_only_ratio']} "
+          f"of an unsorted single write_table), from-avro "
           f"{tp['shell_from_avro_events_per_s']:,} ev/s; hour: {hour['objects']} objects "
           f"median {hour['median_object_bytes'] / 1e6:.2f} MB -> "
           f"{hour['objects_after_compaction']} after compaction; lookup on "
