@@ -207,6 +207,7 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
     until every assigned partition is caught up with its end offset at start). On exit the
     open batches are flushed and committed."""
     from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+    from aiokafka.errors import CommitFailedError
 
     from trajbus.bus.kafka import connection_options
 
@@ -215,7 +216,8 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
     topics = topics or catalog.input_topics
     group_id = group_id or f"{catalog.prefix}.archiver"
     if store is None:
-        store = await asyncio.to_thread(open_store, cfg.url, cfg.s3_endpoint_url)
+        store = await asyncio.to_thread(
+            lambda: open_store(cfg.url, cfg.s3_endpoint_url, retry_s=cfg.store_retry_s))
     stop_event = stop_event or asyncio.Event()
     dead = dead_letter or kafka_dead_letter(settings)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archiver")
@@ -232,32 +234,44 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
         isolation_level="read_committed",
         max_partition_fetch_bytes=max(settings.topics.max_message_bytes, 1_048_576),
         fetch_max_bytes=max(4 * settings.topics.max_message_bytes, 52_428_800),
+        # The store may block a batch for up to store_retry_s while S3 is down: stay in the
+        # group meanwhile (heartbeats run on the event loop; this bounds the time between polls).
+        max_poll_interval_ms=max(300_000, int((cfg.store_retry_s + 120) * 1000)),
     )
 
     async def call_shell(fn: Callable[..., Any], *args: Any) -> Any:
         return await loop.run_in_executor(executor, fn, *args)
 
     ready: set[Any] = set()  # partitions whose shell state matches the consumer's position
+    to_set_up: set[Any] = set()  # assigned, shell state not yet reset to the committed offset
 
     class Listener(ConsumerRebalanceListener):
         async def on_partitions_revoked(self, revoked: Any) -> None:
             for tp in revoked:
                 ready.discard(tp)
+                to_set_up.discard(tp)
                 await call_shell(shell.revoked, tp.topic, tp.partition)
 
         async def on_partitions_assigned(self, assigned: Any) -> None:
-            for tp in assigned:
-                committed = await consumer.committed(tp)
-                if committed is None:
-                    committed = (await consumer.beginning_offsets([tp]))[tp]
-                pending = await call_shell(shell.assigned, tp.topic, tp.partition, committed)
-                # Consumption of this partition starts at the committed offset, in step with
-                # the shell's state (which `assigned` just reset).
-                consumer.seek(tp, committed)
-                ready.add(tp)
-                if pending:
-                    log.info("replaying %d uncommitted batch boundaries of %s-%d",
-                             len(pending), tp.topic, tp.partition)
+            # No store I/O here: listing batch markers may wait out an S3 outage, and a
+            # callback that blocks the join gets the member expired. The main loop sets up.
+            to_set_up.update(assigned)
+
+    async def set_up(tp: Any) -> None:
+        """Reset the shell's state of ``tp`` to its committed offset (replaying the batch
+        boundaries uploaded but not committed before a crash) and consume from there."""
+        committed = await consumer.committed(tp)
+        if committed is None:
+            committed = (await consumer.beginning_offsets([tp]))[tp]
+        pending = await call_shell(shell.assigned, tp.topic, tp.partition, committed)
+        if tp not in to_set_up:  # revoked while the store was being read
+            return
+        to_set_up.discard(tp)
+        consumer.seek(tp, committed)
+        ready.add(tp)
+        if pending:
+            log.info("replaying %d uncommitted batch boundaries of %s-%d",
+                     len(pending), tp.topic, tp.partition)
 
     async def finish(step: StepResult) -> None:
         for r in step.rejected:
@@ -274,7 +288,18 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
             stats.batches += 1
             stats.objects += len(b.objects)
             stats.rows += sum(o.rows for o in b.objects)  # archived, not merely read
-        await consumer.commit(offsets)
+        try:
+            await consumer.commit(offsets)
+        except CommitFailedError as exc:
+            # The group rebalanced under us (e.g. the store blocked us too long). The objects
+            # are written and their batch markers kept, so whoever gets these partitions next
+            # (this process after rejoining, or another) replays the same batches to the same
+            # keys: nothing lost, nothing twice.
+            log.warning("offset commit refused after a rebalance (%s); the batches stay "
+                        "recorded and are replayed after reassignment", exc)
+            for tp in offsets:
+                ready.discard(tp)
+            return
         for tp, off in offsets.items():
             stats.committed[f"{tp.topic}:{tp.partition}"] = off
         await call_shell(shell.committed, step.batches)
@@ -285,11 +310,13 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
         ends: dict[Any, int] = {}
         waited = 0.0
         while not stop_event.is_set():
+            for tp in sorted(to_set_up & consumer.assignment()):
+                await set_up(tp)
             polled = await consumer.getmany(timeout_ms=poll_timeout_ms)
             for tp, batch in list(polled.items()):
                 if tp not in ready and batch:
-                    # handed out before the assignment callback ran: not ours to process yet;
-                    # the callback seeks back to the committed offset
+                    # handed out before the partition was set up: not ours to process yet;
+                    # set_up seeks back to the committed offset
                     consumer.seek(tp, batch[0].offset)
                     del polled[tp]
             records = [r for batch in polled.values() for r in batch]

@@ -115,12 +115,15 @@ def _settings() -> Any:
     return get_settings()
 
 
-def _store(args: argparse.Namespace) -> Any:
+def _store(args: argparse.Namespace, *, ride_out_outages: bool = False) -> Any:
+    """The archive's store. Long-running writers (run, compact, retention) ride out S3
+    outages of up to TRAJBUS_ARCHIVE__STORE_RETRY_S; interactive queries fail at once."""
     from trajbus.archive.storage import StoreConfigError, open_store
 
     cfg = _settings().archive
     try:
-        return open_store(args.url or cfg.url, args.endpoint_url or cfg.s3_endpoint_url)
+        return open_store(args.url or cfg.url, args.endpoint_url or cfg.s3_endpoint_url,
+                          retry_s=cfg.store_retry_s if ride_out_outages else 0.0)
     except StoreConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
@@ -130,7 +133,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from trajbus.archive.archiver import run_archiver
 
     settings = _settings()
-    store = _store(args)
+    store = _store(args, ride_out_outages=True)
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -203,7 +206,8 @@ def _cmd_compact(args: argparse.Namespace) -> int:
 
     cfg = _settings().archive
     target = int(args.target_mb * 1024 * 1024) if args.target_mb else cfg.target_object_bytes
-    rep = compact(_store(args), target_bytes=target, min_age_ms=int(args.min_age_hours * 3.6e6),
+    store = _store(args, ride_out_outages=True)
+    rep = compact(store, target_bytes=target, min_age_ms=int(args.min_age_hours * 3.6e6),
                   grace_ms=int(args.grace_seconds * 1000), row_group_rows=cfg.row_group_rows,
                   dry_run=args.dry_run, task=args.task, now_ms=int(time.time() * 1000))
     print(json.dumps({"generation": rep.generation, "groups": rep.groups,
@@ -217,7 +221,7 @@ def _cmd_retention(args: argparse.Namespace) -> int:
     from trajbus.archive.maintenance import retention
 
     days = args.days if args.days is not None else _settings().archive.retention_days
-    keys = retention(_store(args), days, dry_run=args.dry_run)
+    keys = retention(_store(args, ride_out_outages=True), days, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
     for k in keys:
         print(k)

@@ -9,6 +9,12 @@ Guarantees, for both implementations:
   '.' or '..' segments and no leading '/'; anything else raises :class:`InvalidKeyError`.
 * **Fail fast.** :func:`open_store` checks the bucket and the credentials at once and raises
   :class:`StoreConfigError` naming what to set, instead of failing on the first upload.
+* **Ride out outages (S3, opt-in).** With ``retry_s > 0`` every S3 operation that fails for a
+  transient reason (connection refused or reset, timeouts, 5xx, throttling) is retried with
+  capped exponential backoff for up to ``retry_s`` seconds of outage, logging each wait; then
+  :class:`StoreUnavailableError` says how long it tried and what to set. Errors that retrying
+  cannot mend (credentials, missing bucket, access denied) raise at once. Every archive write
+  is idempotent (deterministic keys), so repeating one is safe.
 
 ``open_store("s3://bucket/prefix", endpoint_url)`` or ``open_store("/some/dir")``.
 """
@@ -16,14 +22,18 @@ Guarantees, for both implementations:
 from __future__ import annotations
 
 import builtins
+import logging
 import os
+import random
 import shutil
 import tempfile
 import threading
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import pyarrow as pa
@@ -31,6 +41,11 @@ import pyarrow.fs as pafs
 
 MULTIPART_THRESHOLD = 16 * 1024 * 1024
 MULTIPART_CHUNK = 16 * 1024 * 1024
+RETRY_FIRST_WAIT_S = 0.5
+RETRY_MAX_WAIT_S = 10.0
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class StoreError(RuntimeError):
@@ -47,6 +62,83 @@ class InvalidKeyError(StoreError, ValueError):
 
 class ObjectNotFoundError(StoreError, KeyError):
     """No object under that key."""
+
+
+class StoreUnavailableError(StoreError):
+    """The store stayed unreachable for longer than the configured retry budget."""
+
+
+# Error codes that no amount of waiting mends: raise at once.
+_PERMANENT_CODES = frozenset({
+    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket",
+    "NoSuchKey", "InvalidBucketName", "AllAccessDisabled", "AccountProblem",
+    "InvalidRequest", "InvalidArgument", "EntityTooLarge", "MethodNotAllowed",
+    "400", "401", "403", "404", "405",
+})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether an S3 failure may pass by waiting: connection and timeout errors, 5xx answers,
+    throttling. Credential, permission and not-found errors are permanent."""
+    from boto3.exceptions import S3UploadFailedError
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        NoCredentialsError,
+        ParamValidationError,
+        PartialCredentialsError,
+    )
+
+    if isinstance(exc, NoCredentialsError | PartialCredentialsError | ParamValidationError):
+        return False
+    if isinstance(exc, ClientError):
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+        if code in _PERMANENT_CODES:
+            return False
+        return status >= 500 or status in (0, 408, 429) or code in (
+            "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
+            "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable")
+    if isinstance(exc, S3UploadFailedError):
+        # boto3 folds the cause into the message ("... An error occurred (AccessDenied) ...")
+        text = str(exc)
+        return not any(f"({code})" in text for code in _PERMANENT_CODES)
+    return isinstance(exc, BotoCoreError | ConnectionError | TimeoutError)
+
+
+def call_with_retries(what: str, fn: Callable[[], T], *, retry_s: float,
+                      sleep: Callable[[float], None] = time.sleep,
+                      clock: Callable[[], float] = time.monotonic,
+                      transient: Callable[[BaseException], bool] = is_transient) -> T:
+    """Run ``fn``; while it fails transiently, wait (0.5 s doubling to 10 s, jittered) and run
+    it again, for at most ``retry_s`` seconds since the first failure. Then raise
+    :class:`StoreUnavailableError` (from the last error). Permanent errors raise at once."""
+    first_failure: float | None = None
+    wait = RETRY_FIRST_WAIT_S
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            if retry_s <= 0 or not transient(exc):
+                raise
+            now = clock()
+            if first_failure is None:
+                first_failure = now
+            attempt += 1
+            down_s = now - first_failure
+            if down_s >= retry_s:
+                raise StoreUnavailableError(
+                    f"object store unavailable for {down_s:.0f}s ({attempt} attempts to {what}; "
+                    f"last error {type(exc).__name__}: {exc}). Nothing was committed for the "
+                    "data not yet stored, so a restart resumes where it stopped; raise "
+                    "TRAJBUS_ARCHIVE__STORE_RETRY_S to wait longer") from exc
+            pause = min(wait, RETRY_MAX_WAIT_S, retry_s - down_s) * (0.8 + 0.4 * random.random())
+            log.warning("object store unavailable for %.0fs (%s: %s); attempt %d to %s failed, "
+                        "retrying in %.1fs (gives up after %.0fs)", down_s, type(exc).__name__,
+                        exc, attempt, what, pause, retry_s)
+            sleep(pause)
+            wait *= 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +317,7 @@ class S3Store(ObjectStore):
     """
 
     def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None,
-                 client: Any = None) -> None:
+                 client: Any = None, retry_s: float = 0.0) -> None:
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
@@ -235,6 +327,7 @@ class S3Store(ObjectStore):
         if self.prefix:
             validate_key(self.prefix)
         self.endpoint_url = endpoint_url
+        self.retry_s = retry_s
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
         # A fresh session: the credentials resolved now (not cached by an earlier client).
         self._client = client or boto3.session.Session().client(
@@ -295,31 +388,44 @@ class S3Store(ObjectStore):
         return full[len(self.prefix) + 1:] if self.prefix else full
 
     # -- operations ------------------------------------------------------------------------
+    def _retrying(self, what: str, fn: Callable[[], T]) -> T:
+        return call_with_retries(what, fn, retry_s=self.retry_s)
+
     def put_file(self, key: str, local_path: str | os.PathLike[str]) -> int:
-        self._client.upload_file(str(local_path), self.bucket, self._k(key),
-                                 Config=self._transfer)
+        full = self._k(key)
+        self._retrying(f"upload {full}", lambda: self._client.upload_file(
+            str(local_path), self.bucket, full, Config=self._transfer))
         return os.path.getsize(local_path)
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self._client.put_object(Bucket=self.bucket, Key=self._k(key), Body=data)
+        full = self._k(key)
+        self._retrying(f"put {full}", lambda: self._client.put_object(
+            Bucket=self.bucket, Key=full, Body=data))
 
     def get_bytes(self, key: str) -> bytes:
         from botocore.exceptions import ClientError
 
+        full = self._k(key)
+
+        def get() -> bytes:
+            resp = self._client.get_object(Bucket=self.bucket, Key=full)
+            body: bytes = resp["Body"].read()
+            return body
+
         try:
-            resp = self._client.get_object(Bucket=self.bucket, Key=self._k(key))
+            return self._retrying(f"get {full}", get)
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 raise ObjectNotFoundError(key) from exc
             raise
-        body: bytes = resp["Body"].read()
-        return body
 
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
 
+        full = self._k(key)
         try:
-            self._client.head_object(Bucket=self.bucket, Key=self._k(key))
+            self._retrying(f"head {full}", lambda: self._client.head_object(
+                Bucket=self.bucket, Key=full))
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return False
@@ -329,16 +435,23 @@ class S3Store(ObjectStore):
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         _validate_prefix(prefix)
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix
-        out: list[ObjectInfo] = []
-        paginator = self._client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
-            for obj in page.get("Contents", []):
-                out.append(ObjectInfo(self._rel(obj["Key"]), int(obj["Size"])))
+
+        def list_all() -> list[ObjectInfo]:
+            out: list[ObjectInfo] = []
+            paginator = self._client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
+                for obj in page.get("Contents", []):
+                    out.append(ObjectInfo(self._rel(obj["Key"]), int(obj["Size"])))
+            return out
+
+        out = self._retrying(f"list {full or '/'}", list_all)
         out.sort(key=lambda o: o.key)
         return out
 
     def delete(self, key: str) -> None:
-        self._client.delete_object(Bucket=self.bucket, Key=self._k(key))
+        full = self._k(key)
+        self._retrying(f"delete {full}", lambda: self._client.delete_object(
+            Bucket=self.bucket, Key=full))
 
     def arrow_filesystem(self) -> tuple[pafs.FileSystem, str]:
         with self._fs_lock:
@@ -370,17 +483,20 @@ def _arrow_s3(endpoint_url: str | None, client: Any) -> pafs.S3FileSystem:
     return pafs.S3FileSystem(**kwargs)
 
 
-def open_store(url: str, endpoint_url: str | None = None, *, check: bool = True) -> ObjectStore:
+def open_store(url: str, endpoint_url: str | None = None, *, check: bool = True,
+               retry_s: float = 0.0) -> ObjectStore:
     """Open the store at ``url``: a local directory or ``s3://bucket[/prefix]``.
 
     With ``check`` (the default) an S3 store verifies bucket and credentials now and raises
-    :class:`StoreConfigError` with what to set.
+    :class:`StoreConfigError` with what to set. ``retry_s`` > 0 makes an S3 store ride out
+    transient outages of up to that many seconds (see the module docstring); the start-up
+    check itself never waits, so a wrong endpoint fails fast.
     """
     if url.startswith("s3://"):
         parsed = urlparse(url)
         if not parsed.netloc:
             raise StoreConfigError(f"{url!r} names no bucket: use s3://<bucket>/<prefix>")
-        store = S3Store(parsed.netloc, parsed.path, endpoint_url)
+        store = S3Store(parsed.netloc, parsed.path, endpoint_url, retry_s=retry_s)
         if check:
             store.check()
         return store

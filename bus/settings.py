@@ -105,6 +105,9 @@ class ArchiveSettings(BaseModel):
     max_open_ms: int = 6 * 3600 * 1000  # rotation by event time: archival every 6 hours
     spool_dir: str = ".trajbus/spool"
     retention_days: int = 90
+    # How long the archiver (and compaction/retention) wait out an S3 outage, retrying with
+    # backoff, before giving up (nothing is committed meanwhile; a restart resumes).
+    store_retry_s: float = 600.0
 
 
 class Settings(BaseSettings):
