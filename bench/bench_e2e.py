@@ -388,7 +388,7 @@ def start_worker(settings: Settings, log_path: Path) -> subprocess.Popen[bytes]:
     })
     out = open(log_path, "ab")
     return subprocess.Popen([sys.executable, "-m", "trajbus", "worker", "--processors",
-                             "reorder", "--worker-id", "bench"], env=env, stdout=out,
+                             "reorder", "--worker-id", "bench", "-v"], env=env, stdout=out,
                             stderr=out, cwd=ROOT)
 
 

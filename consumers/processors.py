@@ -78,32 +78,62 @@ class ReorderProcessor(_Adapter):
         self.watermarks: dict[str, int] = {}
 
     def handle(self, rec: InRecord) -> list[OutRecord]:
+        """One record, one segment per released run (no coalescing): the faust engine and
+        `trajbus replay explain` call this; the runner calls :meth:`handle_batch`."""
+        outs: list[OutRecord] = []
+        self._handle(rec, outs, None)
+        return outs
+
+    def _handle(self, rec: InRecord, outs: list[OutRecord],
+                merger: _SegmentMerger | None) -> None:
         from trajbus.consumers.reorder import InEvent
 
-        outs: list[OutRecord] = []
         decoded = self.decode(rec, outs)
         if decoded is None:
-            return outs
+            return
         if decoded.kind == "Tick":
             t = decoded.header["event_time_ms"]
             if t > self.watermarks.get(rec.topic, 0):
                 self.watermarks[rec.topic] = t
             if all(topic in self.watermarks for topic in self.inputs):
-                return self.tick(min(self.watermarks[topic] for topic in self.inputs))
-            return outs
+                now = min(self.watermarks[topic] for topic in self.inputs)
+                self._convert(self.core.tick(now), outs, None, merger)
+                metrics.REORDER_BUFFERED.set(self.core.counters().get("buffered", 0))
+            return
         if decoded.kind not in _REORDERED:
-            return outs
+            return
         bad = _invalid_ids(decoded.header)
         if bad is not None:  # a replay topic name / archive path must never come from it
             outs.append(self.dead_letter(rec, "invalid_id", bad, header=decoded.header))
-            return outs
+            return
         if decoded.kind in _EPISODE_KINDS and decoded.header.get("episode") is None:
             outs.append(self.dead_letter(rec, "missing_episode", f"{decoded.kind} without an "
                                          "episode id", header=decoded.header))
-            return outs
+            return
         if self.core.clock_ms == 0:  # before the first watermark: start from the log's time
             self.core.tick(rec.timestamp_ms)
-        self._convert(self.core.handle(InEvent.from_decoded(decoded, rec.value)), outs, rec)
+        self._convert(self.core.handle(InEvent.from_decoded(decoded, rec.value)), outs, rec,
+                      merger)
+
+    def handle_batch(self, records: list[InRecord]) -> list[OutRecord]:
+        """Process several records (of this core's partition, in log order) for ONE
+        transaction, coalescing each episode's consecutive segments into one ReplaySegment.
+
+        The core releases one segment per in-order event (its fast path); encoding, sending
+        and the trainer's decoding and offset commit are per segment, so writing one segment
+        per episode per batch instead of one per event is most of the worker's and the
+        trainer's cost saved. A coalesced segment is exactly what the core itself emits for
+        events released together: contiguous seqs, the first segment's ``gap``, ``is_first``
+        and index (its event id), the last one's ``is_last``, ``is_terminal`` and event time,
+        within the core's segment caps (``max_segment_events`` / ``max_segment_bytes``). A
+        segment that carries a gap marker always starts a new one. Segment indexes on the
+        wire therefore increase per episode but may skip numbers.
+        """
+        outs: list[OutRecord] = []
+        merger = _SegmentMerger(self.settings.replay, outs)
+        for rec in records:
+            self._handle(rec, outs, merger)
+        self._finish(merger)
         return outs
 
     def tick(self, now_ms: int) -> list[OutRecord]:
@@ -112,15 +142,29 @@ class ReorderProcessor(_Adapter):
         metrics.REORDER_BUFFERED.set(self.core.counters().get("buffered", 0))  # once a tick
         return outs
 
-    def _convert(self, results: list[Any], outs: list[OutRecord], rec: InRecord | None) -> None:
-        from trajbus.consumers.reorder import DeadLetterOut, LateOut, SegmentOut, segment_record
+    def _segment(self, seg: Any) -> OutRecord:
+        from trajbus.consumers.reorder import segment_record
+
+        return OutRecord(self.topics.replay(seg.task), seg.episode.encode(), self.codec.encode(
+            "ReplaySegment", segment_record(seg, self.producer_id)))
+
+    def _finish(self, merger: _SegmentMerger) -> None:
+        """Encode the (coalesced) segments into their reserved places in ``outs``."""
+        for i, seg in merger.built():
+            merger.outs[i] = self._segment(seg)
+
+    def _convert(self, results: list[Any], outs: list[OutRecord], rec: InRecord | None,
+                 merger: _SegmentMerger | None = None) -> None:
+        from trajbus.consumers.reorder import DeadLetterOut, LateOut, SegmentOut
 
         for r in results:
             if isinstance(r, SegmentOut):
                 if r.gap is not None:
                     metrics.GAPS.inc()
-                value = self.codec.encode("ReplaySegment", segment_record(r, self.producer_id))
-                outs.append(OutRecord(self.topics.replay(r.task), r.episode.encode(), value))
+                if merger is None:
+                    outs.append(self._segment(r))
+                else:
+                    merger.add(r)
             elif isinstance(r, LateOut):
                 metrics.LATE.inc()
                 outs.append(OutRecord(self.topics.late, r.episode.encode(), r.raw))
@@ -137,6 +181,66 @@ class ReorderProcessor(_Adapter):
 
     def restore(self, key: str, blob: bytes) -> None:
         self.core.restore(key, blob)
+
+
+_RESERVED = OutRecord("", None, b"")
+
+
+class _Run:
+    """One coalesced segment under construction (see :meth:`ReorderProcessor.handle_batch`)."""
+
+    __slots__ = ("events", "first", "last", "nbytes")
+
+    def __init__(self, seg: Any) -> None:
+        self.first = seg
+        self.last = seg
+        self.events: list[bytes] = list(seg.events)
+        self.nbytes = sum(len(e) for e in seg.events)
+
+
+class _SegmentMerger:
+    """Coalesces each episode's consecutive SegmentOuts; reserves each resulting segment's
+    position in ``outs`` (filled by :meth:`ReorderProcessor._finish`), so outputs keep the
+    order in which their first part was released."""
+
+    def __init__(self, replay: Any, outs: list[OutRecord]) -> None:
+        self.max_events = max(1, int(replay.max_segment_events or 1))
+        self.max_bytes = max(1, int(replay.max_segment_bytes or 1))
+        self.outs = outs
+        self.runs: list[tuple[int, _Run]] = []
+        self.open: dict[tuple[str, str], _Run] = {}
+
+    def add(self, seg: Any) -> None:
+        key = (seg.sandbox, seg.episode)
+        run = self.open.get(key)
+        if run is not None:
+            n = len(seg.events)
+            size = sum(len(e) for e in seg.events) if n != 1 else len(seg.events[0])
+            if (seg.gap is None and not run.last.is_last
+                    and seg.first_seq == run.last.last_seq + 1
+                    and seg.segment_index > run.last.segment_index
+                    and len(run.events) + n <= self.max_events
+                    and run.nbytes + size <= self.max_bytes):
+                run.events.extend(seg.events)
+                run.nbytes += size
+                run.last = seg
+                return
+        run = _Run(seg)
+        self.open[key] = run
+        self.runs.append((len(self.outs), run))
+        self.outs.append(_RESERVED)  # replaced by ReorderProcessor._finish
+
+    def built(self) -> list[tuple[int, Any]]:
+        res = []
+        for i, run in self.runs:
+            first, last = run.first, run.last
+            if first is last:
+                res.append((i, first))
+            else:
+                res.append((i, first._replace(
+                    last_seq=last.last_seq, events=run.events, is_last=last.is_last,
+                    is_terminal=last.is_terminal, event_time_ms=last.event_time_ms)))
+        return res
 
 
 def _invalid_ids(h: dict[str, Any]) -> str | None:

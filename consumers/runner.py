@@ -47,6 +47,8 @@ from trajbus.schemas.models import Envelope, Tick
 log = logging.getLogger("trajbus.runner")
 TICK_KEY = b"_tick"
 _MAX_IDLE_S = 10.0
+_STATS_S = 10.0
+_STATS = ("batches", "records", "outputs", "changelog", "poll_s", "handle_s", "txn_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +131,9 @@ class Runner:
         self._lock = asyncio.Lock()
         self._pending: dict[TopicPartition, deque[Any]] = {}
         self._empty_since: dict[TopicPartition, float] = {}
+        # Where a busy worker's time goes, logged (INFO) every _STATS_S while records flow.
+        self._stats: dict[str, float] = dict.fromkeys(_STATS, 0.0)
+        self._stats_since = time.monotonic()
 
     # -- state --------------------------------------------------------------------------
     def _slot(self, partition: int) -> int:
@@ -242,7 +247,9 @@ class Runner:
         idle_since = time.monotonic()
         try:
             while not self.stopping.is_set():
+                t_poll = time.perf_counter()
                 batch = await self._consumer.getmany(timeout_ms=200, max_records=2000)
+                self._stats["poll_s"] += time.perf_counter() - t_poll
                 if not batch:
                     if until_idle is not None and time.monotonic() - idle_since > until_idle:
                         break
@@ -303,36 +310,73 @@ class Runner:
         assert self._producer is not None and self._consumer is not None
         outs: list[OutRecord] = []
         offsets: dict[TopicPartition, int] = {}
-        touched: set[int] = set()
         started = time.perf_counter()
+        # Records per core slot, each in log order (cores are independent, so interleaving
+        # across slots does not matter; an ordered/global spec has a single slot).
+        by_slot: dict[int, list[InRecord]] = {}
+        counts_in: dict[str, int] = {}
         for tp, msg in records:
             slot = self._slot(tp.partition)
-            core = self.cores.get(slot)
-            if core is None:  # assignment raced the listener; restore now
+            if slot not in self.cores:  # assignment raced the listener; restore now
                 await self._restore([tp])
-                core = self.cores[slot]
-            touched.add(slot)
-            rec = InRecord(tp.topic, tp.partition, msg.offset, msg.key, msg.value or b"",
-                           msg.timestamp)
-            outs.extend(core.handle(rec))
-            metrics.EVENTS_IN.labels(self.spec.name, tp.topic).inc()
+            by_slot.setdefault(slot, []).append(InRecord(
+                tp.topic, tp.partition, msg.offset, msg.key, msg.value or b"", msg.timestamp))
+            counts_in[tp.topic] = counts_in.get(tp.topic, 0) + 1
             offsets[tp] = msg.offset + 1
+        for slot, recs in by_slot.items():
+            core = self.cores[slot]
+            handle_batch = getattr(core, "handle_batch", None)
+            if handle_batch is not None:  # coalesces its outputs for this one transaction
+                outs.extend(handle_batch(recs))
+            else:
+                for rec in recs:
+                    outs.extend(core.handle(rec))
+        t_txn = time.perf_counter()
+        counts_out: dict[str, int] = {}
         for out in outs:
-            await self._ensure_output_topic(out.topic)
+            counts_out[out.topic] = counts_out.get(out.topic, 0) + 1
+        for topic in counts_out:
+            await self._ensure_output_topic(topic)
+        send = self._producer.send
         async with self._producer.transaction():
-            futures = [await self._producer.send(o.topic, o.value, key=o.key,
-                                                 partition=o.partition) for o in outs]
-            for slot in touched:
+            futures = [await send(o.topic, o.value, key=o.key, partition=o.partition)
+                       for o in outs]
+            n_state = len(futures)
+            for slot in by_slot:  # the state each touched key ended the batch with
                 for key, blob in self.cores[slot].take_dirty().items():
-                    futures.append(await self._producer.send(
-                        self.changelog, blob, key=key.encode(), partition=slot))
+                    futures.append(await send(self.changelog, blob, key=key.encode(),
+                                              partition=slot))
+            n_state = len(futures) - n_state
             await self._producer.send_offsets_to_transaction(offsets, self.group_id)
             if futures:
                 await asyncio.gather(*futures)
-        for out in outs:
-            metrics.EVENTS_OUT.labels(self.spec.name, out.topic).inc()
-        metrics.BATCH_SECONDS.labels(self.spec.name).observe(time.perf_counter() - started)
+        for topic, n in counts_in.items():
+            metrics.EVENTS_IN.labels(self.spec.name, topic).inc(n)
+        for topic, n in counts_out.items():
+            metrics.EVENTS_OUT.labels(self.spec.name, topic).inc(n)
+        done = time.perf_counter()
+        metrics.BATCH_SECONDS.labels(self.spec.name).observe(done - started)
         self.processed += len(records)
+        st = self._stats
+        st["batches"] += 1
+        st["records"] += len(records)
+        st["outputs"] += len(outs)
+        st["changelog"] += n_state
+        st["handle_s"] += t_txn - started
+        st["txn_s"] += done - t_txn
+        if time.monotonic() - self._stats_since >= _STATS_S:
+            self._log_stats()
+
+    def _log_stats(self) -> None:
+        st, now = self._stats, time.monotonic()
+        b = max(1.0, st["batches"])
+        log.info("%s: %.0fs: %d batches, %.1f records/batch, %.1f outputs + %.1f state "
+                 "records/batch; per batch %.1f ms polling, %.1f ms processing, %.1f ms "
+                 "transaction", self.spec.name, now - self._stats_since, st["batches"],
+                 st["records"] / b, st["outputs"] / b, st["changelog"] / b,
+                 1000 * st["poll_s"] / b, 1000 * st["handle_s"] / b, 1000 * st["txn_s"] / b)
+        self._stats = dict.fromkeys(_STATS, 0.0)
+        self._stats_since = now
 
     async def _ticker(self) -> None:
         """Publish Tick events into every partition of the tick topics (default: the input
