@@ -19,6 +19,10 @@ class BrokerUnavailableError(RuntimeError):
     """The configured Kafka bootstrap servers did not answer."""
 
 
+class BrokerAuthenticationError(BrokerUnavailableError):
+    """The broker answered but refused the configured SASL credentials."""
+
+
 def connection_options(k: KafkaSettings) -> dict[str, Any]:
     """Options common to aiokafka producers, consumers and admin clients."""
     opts: dict[str, Any] = {
@@ -40,7 +44,7 @@ def connection_options(k: KafkaSettings) -> dict[str, Any]:
         opts.update(
             sasl_mechanism=k.sasl_mechanism,
             sasl_plain_username=k.sasl_username,
-            sasl_plain_password=k.sasl_password,
+            sasl_plain_password=k.sasl_password.get_secret_value(),
         )
     return opts
 
@@ -52,6 +56,14 @@ async def check_broker(k: KafkaSettings) -> list[str]:
         await asyncio.wait_for(admin.start(), timeout=k.connect_timeout_s)
         topics = await asyncio.wait_for(admin.list_topics(), timeout=k.connect_timeout_s)
     except Exception as exc:
+        refused = await _sasl_refusal(k) if k.security_protocol.startswith("SASL") else None
+        if refused is not None:
+            raise BrokerAuthenticationError(
+                f"Kafka at {k.bootstrap_servers} refused the SASL credentials of user "
+                f"{k.sasl_username!r} ({k.sasl_mechanism}): {refused}. Check "
+                "TRAJBUS_KAFKA__SASL_USERNAME, TRAJBUS_KAFKA__SASL_PASSWORD and "
+                "TRAJBUS_KAFKA__SASL_MECHANISM."
+            ) from exc
         raise BrokerUnavailableError(
             f"Kafka at {k.bootstrap_servers} did not answer within {k.connect_timeout_s:.0f}s "
             f"({type(exc).__name__}: {exc}). Start the local broker with `trajbus kafka up`, "
@@ -60,3 +72,31 @@ async def check_broker(k: KafkaSettings) -> list[str]:
     finally:
         await admin.close()
     return sorted(topics)
+
+
+async def _sasl_refusal(k: KafkaSettings) -> str | None:
+    """Why the first bootstrap server refused our SASL authentication, or None. (aiokafka's
+    bootstrap error says only "Unable to bootstrap"; the broker's reason is in a log line.)"""
+    from aiokafka.conn import create_conn
+    from aiokafka.errors import SaslAuthenticationFailed, UnsupportedSaslMechanismError
+
+    opts = connection_options(k)
+    host, _, port = k.bootstrap_servers.split(",")[0].strip().rpartition(":")
+    try:
+        conn = await asyncio.wait_for(
+            create_conn(
+                host, int(port), client_id=f"{k.client_id}-check",
+                request_timeout_ms=k.request_timeout_ms,
+                ssl_context=opts.get("ssl_context"), security_protocol=k.security_protocol,
+                sasl_mechanism=opts["sasl_mechanism"],
+                sasl_plain_username=opts["sasl_plain_username"],
+                sasl_plain_password=opts["sasl_plain_password"],
+            ),
+            timeout=k.connect_timeout_s,
+        )
+    except (SaslAuthenticationFailed, UnsupportedSaslMechanismError) as exc:
+        return str(exc)
+    except Exception:
+        return None  # not an authentication problem: the generic error says what to do
+    conn.close()
+    return None

@@ -89,7 +89,8 @@ def _credentials(settings: Settings) -> Any:
         return None
     opts = connection_options(k)  # validates SASL settings, builds the SSL context
     if k.security_protocol.startswith("SASL"):
-        return faust.SASLCredentials(username=k.sasl_username, password=k.sasl_password,
+        password = k.sasl_password.get_secret_value() if k.sasl_password else None
+        return faust.SASLCredentials(username=k.sasl_username, password=password,
                                      mechanism=k.sasl_mechanism,
                                      ssl_context=opts.get("ssl_context"))
     return faust.SSLCredentials(opts["ssl_context"])

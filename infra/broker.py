@@ -21,6 +21,15 @@ Layout of a data directory::
     logs/server.log      Kafka's own log (log4j2, see infra/kafka/log4j2.yaml)
     kraft-logs/          partition data and the KRaft metadata log
 
+SASL/SCRAM (for tests of client authentication): ``LocalBroker(..., sasl_port=P,
+scram_users={"alice": "alice-secret"})`` adds a ``SASL_PLAINTEXT://127.0.0.1:P`` listener
+accepting ``scram_mechanisms`` (SCRAM-SHA-256 and SCRAM-SHA-512 by default) next to the
+PLAINTEXT one (which inter-broker traffic, the controller and :func:`probe_broker` keep
+using). The credentials are bootstrapped into the KRaft metadata, for every mechanism, when the
+storage is first formatted (``kafka-storage format --add-scram``, passed as salted passwords,
+so no password appears in a command line); a data directory formatted without them does not
+get them later.
+
 Environment: ``TRAJBUS_KAFKA_PORT`` and ``TRAJBUS_KAFKA_DATA_DIR`` override the default port
 (9092) and data directory (``.trajbus/kafka`` under the current directory);
 ``TRAJBUS_KAFKA_LIB_DIR`` points at an existing directory of Kafka jars (for example the
@@ -291,6 +300,25 @@ def _pid_cmdline(pid: int) -> str | None:
         return None
 
 
+_SCRAM_HASHES = {"SCRAM-SHA-256": "sha256", "SCRAM-SHA-512": "sha512"}
+_SCRAM_NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
+_SCRAM_ITERATIONS = 8192
+
+
+def _scram_credential(mechanism: str, name: str, password: str) -> str:
+    """``kafka-storage format --add-scram`` argument with a salted password (RFC 5802
+    ``Hi(password, salt, i)``), so the password itself never appears in a command line."""
+    salt = os.urandom(16)
+    salted = hashlib.pbkdf2_hmac(
+        _SCRAM_HASHES[mechanism], password.encode(), salt, _SCRAM_ITERATIONS
+    )
+    b64 = base64.b64encode
+    return (
+        f"{mechanism}=[name={name},iterations={_SCRAM_ITERATIONS},"
+        f'salt="{b64(salt).decode()}",saltedpassword="{b64(salted).decode()}"]'
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Kafka protocol probe (ApiVersions, then Metadata to see the broker registered and unfenced)
 
@@ -398,6 +426,9 @@ class LocalBroker:
         message_max_bytes: int = DEFAULT_MESSAGE_MAX_BYTES,
         extra_properties: Mapping[str, str] | None = None,
         lib_dir: Path | None = None,
+        sasl_port: int | None = None,
+        scram_users: Mapping[str, str] | None = None,
+        scram_mechanisms: tuple[str, ...] = ("SCRAM-SHA-256", "SCRAM-SHA-512"),
     ) -> None:
         if data_dir is None:
             data_dir = os.environ.get("TRAJBUS_KAFKA_DATA_DIR") or DEFAULT_DATA_DIR
@@ -408,6 +439,16 @@ class LocalBroker:
         self.extra_properties = dict(extra_properties or {})
         self._lib_dir = lib_dir
         self._proc: subprocess.Popen[bytes] | None = None
+        if not scram_mechanisms or not set(scram_mechanisms) <= set(_SCRAM_HASHES):
+            raise ValueError(f"scram_mechanisms: some of {sorted(_SCRAM_HASHES)}")
+        if scram_users and sasl_port is None:
+            raise ValueError("scram_users need a sasl_port (the SASL_PLAINTEXT listener)")
+        for name in scram_users or {}:
+            if not _SCRAM_NAME_RE.fullmatch(name):
+                raise ValueError(f"SCRAM user name {name!r}: use letters, digits, '.', '_', '-'")
+        self.sasl_port = sasl_port
+        self.scram_mechanisms = tuple(scram_mechanisms)
+        self._scram_users = dict(scram_users or {})  # never logged nor shown in repr
 
         meta = self._read_meta()
         if port is None:
@@ -431,6 +472,13 @@ class LocalBroker:
     @property
     def bootstrap(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def sasl_bootstrap(self) -> str:
+        """``host:sasl_port`` of the SASL_PLAINTEXT listener (ValueError without one)."""
+        if self.sasl_port is None:
+            raise ValueError("this broker has no SASL listener (sasl_port=None)")
+        return f"{self.host}:{self.sasl_port}"
 
     @property
     def meta_file(self) -> Path:
@@ -542,6 +590,16 @@ class LocalBroker:
             "num.network.threads": "2",
             "num.io.threads": "4",
         }
+        if self.sasl_port is not None:
+            listener = f"SASL_PLAINTEXT://{self.host}:{self.sasl_port}"
+            props["listeners"] += f",{listener}"
+            props["advertised.listeners"] += f",{listener}"
+            props["listener.security.protocol.map"] += ",SASL_PLAINTEXT:SASL_PLAINTEXT"
+            props["sasl.enabled.mechanisms"] = ",".join(self.scram_mechanisms)
+            for mech in self.scram_mechanisms:
+                props[f"listener.name.sasl_plaintext.{mech.lower()}.sasl.jaas.config"] = (
+                    "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+                )
         props.update(self.extra_properties)
         return props
 
@@ -581,6 +639,9 @@ class LocalBroker:
             "-c",
             str(self.properties_file),
         )
+        for name, password in self._scram_users.items():
+            for mech in self.scram_mechanisms:
+                cmd += ["--add-scram", _scram_credential(mech, name, password)]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
         if proc.returncode != 0 or not self._formatted():
             raise BrokerError(
@@ -598,7 +659,10 @@ class LocalBroker:
         if existing is not None:
             self.wait_ready(timeout, pid=existing)
             return
-        for what, port in (("port", self.port), ("controller port", self.controller_port)):
+        ports = [("port", self.port), ("controller port", self.controller_port)]
+        if self.sasl_port is not None:
+            ports.append(("SASL port", self.sasl_port))
+        for what, port in ports:
             if not _port_free(self.host, port):
                 raise BrokerError(
                     f"{what} {self.host}:{port} is already in use by another process "

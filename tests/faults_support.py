@@ -523,51 +523,71 @@ def proc_rss_kb(pid: int) -> int:
 def make_tls(directory: Path) -> dict[str, Path]:
     """A CA and a broker certificate for 127.0.0.1/localhost (PEM). Returns paths:
     ``ca`` (CA certificate) and ``keystore`` (broker key + certificate chain, for Kafka's
-    ``ssl.keystore.type=PEM``)."""
+    ``ssl.keystore.type=PEM``); for mutual TLS also ``client_cert`` / ``client_key`` (a
+    client certificate, CN ``trajbus-client``, signed by the same CA) and ``rogue_cert`` /
+    ``rogue_key`` (a client certificate signed by another CA, which the broker must refuse)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     now = dt.datetime.now(dt.UTC)
+    pem = serialization.Encoding.PEM
 
     def name(cn: str) -> x509.Name:
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(name("trajbus test CA"))
-          .issuer_name(name("trajbus test CA")).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number())
-          .not_valid_before(now - dt.timedelta(minutes=5))
-          .not_valid_after(now + dt.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True,
-                                       crl_sign=True, content_commitment=False,
-                                       key_encipherment=False, data_encipherment=False,
-                                       key_agreement=False, encipher_only=False,
-                                       decipher_only=False), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder().subject_name(name("localhost"))
-            .issuer_name(ca.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([
-                x509.DNSName("localhost"),
-                x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    pem = serialization.Encoding.PEM
+    def make_ca(cn: str) -> tuple[Any, Any]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(name(cn))
+                .issuer_name(name(cn)).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - dt.timedelta(minutes=5))
+                .not_valid_after(now + dt.timedelta(days=1))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True,
+                                             crl_sign=True, content_commitment=False,
+                                             key_encipherment=False, data_encipherment=False,
+                                             key_agreement=False, encipher_only=False,
+                                             decipher_only=False), critical=True)
+                .sign(key, hashes.SHA256()))
+        return key, cert
+
+    def leaf(ca_key: Any, ca: Any, cn: str, usage: Any, san: list[Any]) -> tuple[Any, Any]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = (x509.CertificateBuilder().subject_name(name(cn))
+                   .issuer_name(ca.subject).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number())
+                   .not_valid_before(now - dt.timedelta(minutes=5))
+                   .not_valid_after(now + dt.timedelta(days=1))
+                   .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+        if san:
+            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return key, builder.sign(ca_key, hashes.SHA256())
+
+    def key_pem(key: Any) -> bytes:
+        return bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+
+    ca_key, ca = make_ca("trajbus test CA")
+    key, cert = leaf(ca_key, ca, "localhost", ExtendedKeyUsageOID.SERVER_AUTH,
+                     [x509.DNSName("localhost"),
+                      x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
     directory.mkdir(parents=True, exist_ok=True)
-    ca_path = directory / "ca.pem"
-    ca_path.write_bytes(ca.public_bytes(pem))
-    ks = directory / "broker-keystore.pem"
-    ks.write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                     serialization.NoEncryption())
-                   + cert.public_bytes(pem) + ca.public_bytes(pem))
-    return {"ca": ca_path, "keystore": ks}
+    out = {name_: directory / f"{name_.replace('_', '-')}.pem" for name_ in (
+        "ca", "client_cert", "client_key", "rogue_cert", "rogue_key")}
+    out["keystore"] = directory / "broker-keystore.pem"
+    out["ca"].write_bytes(ca.public_bytes(pem))
+    out["keystore"].write_bytes(key_pem(key) + cert.public_bytes(pem) + ca.public_bytes(pem))
+    c_key, c_cert = leaf(ca_key, ca, "trajbus-client", ExtendedKeyUsageOID.CLIENT_AUTH, [])
+    out["client_cert"].write_bytes(c_cert.public_bytes(pem))
+    out["client_key"].write_bytes(key_pem(c_key))
+    rogue_ca_key, rogue_ca = make_ca("some other CA")
+    r_key, r_cert = leaf(rogue_ca_key, rogue_ca, "trajbus-client",
+                         ExtendedKeyUsageOID.CLIENT_AUTH, [])
+    out["rogue_cert"].write_bytes(r_cert.public_bytes(pem))
+    out["rogue_key"].write_bytes(key_pem(r_key))
+    return out
 
 
 # -- a worker with a metrics endpoint ---------------------------------------------------------
