@@ -158,6 +158,10 @@ class Sink:
     """Per-phase receipts of the trainer."""
 
     latencies_ms: list[float] = field(default_factory=list)
+    # the same latency split at the replay record's timestamp (when the worker wrote it):
+    # emitter + input topic + worker until the send, then transaction commit + trainer fetch
+    to_worker_ms: list[float] = field(default_factory=list)
+    to_trainer_ms: list[float] = field(default_factory=list)
     events: int = 0
     segments: int = 0
     first_ms: float = 0.0
@@ -222,6 +226,10 @@ class Trainer:
             sink.events += len(seg.events)
             sink.latencies_ms.extend(t - ev.record["header"]["event_time_ms"]
                                      for ev in seg.events)
+            if seg.timestamp_ms:
+                sink.to_worker_ms.extend(seg.timestamp_ms - ev.record["header"]["event_time_ms"]
+                                         for ev in seg.events)
+                sink.to_trainer_ms.extend([t - seg.timestamp_ms] * len(seg.events))
             if seg.is_last:
                 sink.episodes_done += 1
             await self.client.ack(seg)
@@ -291,6 +299,12 @@ async def rate_phase(args: argparse.Namespace, settings: Settings, trainer: Trai
         "latency_ms": {"p50": round(percentile(lat, 50), 1), "p90": round(percentile(lat, 90), 1),
                        "p99": round(percentile(lat, 99), 1), "max": round(max(lat, default=0), 1),
                        "mean": round(statistics.fmean(lat), 1) if lat else None},
+        "latency_split_ms": {
+            "event_to_worker_output": {q: round(percentile(sink.to_worker_ms, v), 1)
+                                       for q, v in (("p50", 50), ("p99", 99))},
+            "worker_output_to_trainer": {q: round(percentile(sink.to_trainer_ms, v), 1)
+                                         for q, v in (("p50", 50), ("p99", 99))},
+        },
         "cpu_s": {"producer": prod["cpu_s"], "worker": round(w_cpu, 2),
                   "trainer": round(t_cpu, 2)},
         "events_per_cpu_s": {"producer": prod["events_per_cpu_s"],
@@ -528,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"e2e [{name}] offered {p['offered_events_per_s']}/s: delivered "
                   f"{p['events_delivered']:,}/{p['events_emitted']:,} at "
                   f"{p['end_to_end_events_per_s']:,} ev/s, latency p50 {lat['p50']} ms p99 "
-                  f"{lat['p99']} ms; ev per CPU-s: {p['events_per_cpu_s']}")
+                  f"{lat['p99']} ms (split {p['latency_split_ms']}); ev per CPU-s: "
+                  f"{p['events_per_cpu_s']}")
     for name, ov in res.get("segmented_vs_whole", {}).items():
         if isinstance(ov, dict):
             first, whole = ov["first_usable_vs_whole_ms"]

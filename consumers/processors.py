@@ -15,6 +15,14 @@ from trajbus.bus import deadletter
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics, TopicSpec, validate_name
 from trajbus.consumers import metrics
+from trajbus.consumers.reorder import (
+    DeadLetterOut,
+    InEvent,
+    LateOut,
+    ReorderCore,
+    SegmentOut,
+    segment_record,
+)
 from trajbus.consumers.runner import InRecord, OutRecord, ProcessorSpec
 from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
 
@@ -66,14 +74,15 @@ class ReorderProcessor(_Adapter):
     stage = "reorder"
 
     def __init__(self, settings: Settings, codec: Codec | None = None) -> None:
-        from trajbus.consumers.reorder import ReorderCore
-
         super().__init__(settings, codec)
         # Gap timeouts count processing time, not producers' clocks: the core's clock is the
         # lowest tick seen across the input topics (a watermark). Events of a sandbox arrive
         # on two topics (events and trace chunks); a gap can only close once *both* topics
         # have been read past the gap's deadline, so a lagging topic never causes a false gap.
-        self.core = ReorderCore(settings.replay, event_time_clock=False)
+        self.core = ReorderCore(
+            settings.replay, event_time_clock=False,
+            max_buffered_bytes_per_episode=settings.replay.max_buffered_bytes_per_episode
+            or settings.topics.max_message_bytes + 512 * 1024)
         self.inputs = tuple(self.topics.input_topics)
         self.watermarks: dict[str, int] = {}
 
@@ -86,13 +95,13 @@ class ReorderProcessor(_Adapter):
 
     def _handle(self, rec: InRecord, outs: list[OutRecord],
                 merger: _SegmentMerger | None) -> None:
-        from trajbus.consumers.reorder import InEvent
-
         decoded = self.decode(rec, outs)
         if decoded is None:
             return
-        if decoded.kind == "Tick":
-            t = decoded.header["event_time_ms"]
+        kind = decoded.kind
+        header = decoded.record["header"]
+        if kind == "Tick":
+            t = header["event_time_ms"]
             if t > self.watermarks.get(rec.topic, 0):
                 self.watermarks[rec.topic] = t
             if all(topic in self.watermarks for topic in self.inputs):
@@ -100,15 +109,15 @@ class ReorderProcessor(_Adapter):
                 self._convert(self.core.tick(now), outs, None, merger)
                 metrics.REORDER_BUFFERED.set(self.core.counters().get("buffered", 0))
             return
-        if decoded.kind not in _REORDERED:
+        if kind not in _REORDERED:
             return
-        bad = _invalid_ids(decoded.header)
+        bad = _invalid_ids(header)
         if bad is not None:  # a replay topic name / archive path must never come from it
-            outs.append(self.dead_letter(rec, "invalid_id", bad, header=decoded.header))
+            outs.append(self.dead_letter(rec, "invalid_id", bad, header=header))
             return
-        if decoded.kind in _EPISODE_KINDS and decoded.header.get("episode") is None:
-            outs.append(self.dead_letter(rec, "missing_episode", f"{decoded.kind} without an "
-                                         "episode id", header=decoded.header))
+        if kind in _EPISODE_KINDS and header.get("episode") is None:
+            outs.append(self.dead_letter(rec, "missing_episode", f"{kind} without an "
+                                         "episode id", header=header))
             return
         if self.core.clock_ms == 0:  # before the first watermark: start from the log's time
             self.core.tick(rec.timestamp_ms)
@@ -143,8 +152,6 @@ class ReorderProcessor(_Adapter):
         return outs
 
     def _segment(self, seg: Any) -> OutRecord:
-        from trajbus.consumers.reorder import segment_record
-
         return OutRecord(self.topics.replay(seg.task), seg.episode.encode(), self.codec.encode(
             "ReplaySegment", segment_record(seg, self.producer_id)))
 
@@ -155,8 +162,6 @@ class ReorderProcessor(_Adapter):
 
     def _convert(self, results: list[Any], outs: list[OutRecord], rec: InRecord | None,
                  merger: _SegmentMerger | None = None) -> None:
-        from trajbus.consumers.reorder import DeadLetterOut, LateOut, SegmentOut
-
         for r in results:
             if isinstance(r, SegmentOut):
                 if r.gap is not None:
@@ -243,16 +248,24 @@ class _SegmentMerger:
         return res
 
 
+_VALID_IDS: dict[tuple[str, str], None] = {}  # (task, sandbox) pairs that passed (bounded)
+
+
 def _invalid_ids(h: dict[str, Any]) -> str | None:
     """Why the envelope's ids are unusable, or None. The task names a replay topic and
     archive paths, so it must pass :func:`validate_name`; so must a sandbox id when present
     (an empty one is the core's ``missing_sandbox``); an event id must not be empty."""
-    try:
-        validate_name("task", h.get("task") or "")
-        if h.get("sandbox"):
-            validate_name("sandbox", h["sandbox"])
-    except ValueError as exc:
-        return str(exc)
+    ids = (h.get("task") or "", h.get("sandbox") or "")
+    if ids not in _VALID_IDS:  # validate_name is pure: remember the pairs that passed
+        try:
+            validate_name("task", ids[0])
+            if ids[1]:
+                validate_name("sandbox", ids[1])
+        except ValueError as exc:
+            return str(exc)
+        if len(_VALID_IDS) >= 100_000:
+            _VALID_IDS.clear()
+        _VALID_IDS[ids] = None
     if not h.get("event_id"):
         return "empty event_id"
     return None

@@ -56,6 +56,8 @@ class Segment:
     topic: str
     partition: int
     offset: int
+    timestamp_ms: int = 0
+    """The replay record's Kafka timestamp: when the reorder worker wrote the segment."""
 
     @property
     def truncated(self) -> bool:
@@ -207,7 +209,7 @@ class ReplayClient:
                     if progress.skip_on_restart(msg.offset):
                         self.stats["skipped_already_acked"] += 1
                         continue
-                    seg = self._to_segment(tp, msg.offset, msg.value)
+                    seg = self._to_segment(tp, msg.offset, msg.value, msg.timestamp)
                     if seg is None:
                         progress.ack(msg.offset)  # nothing new in it: consumed
                         continue
@@ -281,7 +283,8 @@ class ReplayClient:
         finally:
             await admin.close()
 
-    def _to_segment(self, tp: TopicPartition, offset: int, value: bytes) -> Segment | None:
+    def _to_segment(self, tp: TopicPartition, offset: int, value: bytes,
+                    timestamp_ms: int = 0) -> Segment | None:
         try:
             decoded = self.codec.decode(value)
         except DecodeError:
@@ -328,7 +331,7 @@ class ReplayClient:
             last_seq=rec["last_seq"], events=events,
             gap=(gap["from_seq"], gap["to_seq"]) if gap else None,
             is_first=rec["is_first"], is_last=rec["is_last"], is_terminal=rec["is_terminal"],
-            topic=tp.topic, partition=tp.partition, offset=offset,
+            topic=tp.topic, partition=tp.partition, offset=offset, timestamp_ms=timestamp_ms,
         )
 
     def _too_stale(self, events: list[Decoded]) -> bool:

@@ -48,7 +48,8 @@ log = logging.getLogger("trajbus.runner")
 TICK_KEY = b"_tick"
 _MAX_IDLE_S = 10.0
 _STATS_S = 10.0
-_STATS = ("batches", "records", "outputs", "changelog", "poll_s", "handle_s", "txn_s")
+_STATS = ("batches", "records", "outputs", "changelog", "poll_s", "handle_s", "txn_s",
+          "age_ms", "age_max_ms")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +105,7 @@ class _Rebalance(ConsumerRebalanceListener):
         self.runner = runner
 
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        await self.runner.quiesce()  # the in-flight transaction finishes before we let go
         self.runner.drop(revoked)
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
@@ -129,6 +131,9 @@ class Runner:
         self._producer: AIOKafkaProducer | None = None
         self._known_topics: set[str] = set()
         self._lock = asyncio.Lock()
+        # The transaction of the previous batch, still committing while the next batch is
+        # fetched and processed (see _process).
+        self._inflight: asyncio.Task[None] | None = None
         self._pending: dict[TopicPartition, deque[Any]] = {}
         self._empty_since: dict[TopicPartition, float] = {}
         # Where a busy worker's time goes, logged (INFO) every _STATS_S while records flow.
@@ -150,7 +155,26 @@ class Runner:
     async def restore(self, assigned: Iterable[TopicPartition]) -> None:
         """Rebuild the cores of newly assigned partitions from the committed changelog."""
         async with self._lock:  # never while a batch is being processed
+            await self._wait_inflight()  # its state must be in the changelog we read
             await self._restore(assigned)
+
+    async def quiesce(self) -> None:
+        """Wait until no batch is being processed and no transaction is in flight (before a
+        rebalance hands partitions to another worker). A failed transaction is left for the
+        main loop to raise."""
+        async with self._lock:
+            await self._wait_inflight()
+
+    async def _wait_inflight(self) -> None:
+        task = self._inflight
+        if task is not None and not task.done():
+            await asyncio.wait([task])
+
+    async def _settle(self) -> None:
+        """Wait for the in-flight transaction; raise if it failed."""
+        task, self._inflight = self._inflight, None
+        if task is not None:
+            await task
 
     async def _restore(self, assigned: Iterable[TopicPartition]) -> None:
         slots = sorted({self._slot(tp.partition) for tp in assigned} - set(self.cores))
@@ -222,7 +246,10 @@ class Runner:
             k, client_id=f"{self.group_id}-{self.worker_id}",
             transactional_id=f"{self.group_id}.{self.worker_id}",
             # outputs wrap inputs (dead letters, segments): allow the derived topics' size
-            max_request_size=max(k.max_request_size, self.topics.derived_max_bytes + 65536)))
+            max_request_size=max(k.max_request_size, self.topics.derived_max_bytes + 65536),
+            # A batch's records are all appended before the transaction commits, and the
+            # commit waits for them: lingering only delays every transaction.
+            linger_ms=0))
         self._consumer = AIOKafkaConsumer(
             **connection_options(k),
             group_id=self.group_id,
@@ -250,6 +277,11 @@ class Runner:
                 t_poll = time.perf_counter()
                 batch = await self._consumer.getmany(timeout_ms=200, max_records=2000)
                 self._stats["poll_s"] += time.perf_counter() - t_poll
+                if batch:  # how long the records sat in Kafka before this poll returned them
+                    now_ms = time.time() * 1000
+                    ages = [now_ms - m.timestamp for msgs in batch.values() for m in msgs]
+                    self._stats["age_ms"] += sum(ages)
+                    self._stats["age_max_ms"] = max(self._stats["age_max_ms"], max(ages))
                 if not batch:
                     if until_idle is not None and time.monotonic() - idle_since > until_idle:
                         break
@@ -264,7 +296,14 @@ class Runner:
                     ready = [(tp, m) for tp, msgs in batch.items() for m in msgs]
                 if ready:
                     await self._process(ready)
+            async with self._lock:
+                await self._settle()
         finally:
+            if self._inflight is not None:  # failing: the broker aborts it (or it commits)
+                self._inflight.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._inflight
+                self._inflight = None
             ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ticker
@@ -303,10 +342,22 @@ class Runner:
         return out
 
     async def _process(self, records: list[tuple[TopicPartition, Any]]) -> None:
+        """Process a batch, then hand its transaction to a task and return: the transaction
+        commits while the next batch is fetched and processed (the broker round trips of a
+        transaction are most of a batch's wall time). Kafka allows one open transaction per
+        producer, so the next batch's transaction begins only once this one has committed;
+        each transaction still carries exactly its batch's outputs, the state those left
+        behind and its input offsets. If a transaction fails, the next batch raises before
+        anything of it is written and the worker stops (a restart resumes from the last
+        commit, as after a crash)."""
         async with self._lock:
-            await self._process_locked(records)
+            prepared = await self._prepare(records)
+            await self._settle()
+            self._inflight = asyncio.create_task(self._commit(*prepared))
 
-    async def _process_locked(self, records: list[tuple[TopicPartition, Any]]) -> None:
+    async def _prepare(self, records: list[tuple[TopicPartition, Any]]
+                       ) -> tuple[list[OutRecord], list[tuple[int, str, bytes | None]],
+                                  dict[TopicPartition, int], dict[str, int], int, float]:
         assert self._producer is not None and self._consumer is not None
         outs: list[OutRecord] = []
         offsets: dict[TopicPartition, int] = {}
@@ -318,6 +369,7 @@ class Runner:
         for tp, msg in records:
             slot = self._slot(tp.partition)
             if slot not in self.cores:  # assignment raced the listener; restore now
+                await self._wait_inflight()
                 await self._restore([tp])
             by_slot.setdefault(slot, []).append(InRecord(
                 tp.topic, tp.partition, msg.offset, msg.key, msg.value or b"", msg.timestamp))
@@ -331,39 +383,45 @@ class Runner:
             else:
                 for rec in recs:
                     outs.extend(core.handle(rec))
-        t_txn = time.perf_counter()
-        counts_out: dict[str, int] = {}
-        for out in outs:
-            counts_out[out.topic] = counts_out.get(out.topic, 0) + 1
-        for topic in counts_out:
+        # the state each touched key ended the batch with, taken now: the next batch is
+        # processed while this one's transaction is in flight
+        state = [(slot, key, blob) for slot in by_slot
+                 for key, blob in self.cores[slot].take_dirty().items()]
+        for topic in {o.topic for o in outs}:
             await self._ensure_output_topic(topic)
+        st = self._stats
+        st["batches"] += 1
+        st["records"] += len(records)
+        st["outputs"] += len(outs)
+        st["changelog"] += len(state)
+        st["handle_s"] += time.perf_counter() - started
+        return outs, state, offsets, counts_in, len(records), started
+
+    async def _commit(self, outs: list[OutRecord], state: list[tuple[int, str, bytes | None]],
+                      offsets: dict[TopicPartition, int], counts_in: dict[str, int],
+                      n_records: int, started: float) -> None:
+        assert self._producer is not None
+        t_txn = time.perf_counter()
         send = self._producer.send
         async with self._producer.transaction():
             futures = [await send(o.topic, o.value, key=o.key, partition=o.partition)
                        for o in outs]
-            n_state = len(futures)
-            for slot in by_slot:  # the state each touched key ended the batch with
-                for key, blob in self.cores[slot].take_dirty().items():
-                    futures.append(await send(self.changelog, blob, key=key.encode(),
-                                              partition=slot))
-            n_state = len(futures) - n_state
+            futures += [await send(self.changelog, blob, key=key.encode(), partition=slot)
+                        for slot, key, blob in state]
             await self._producer.send_offsets_to_transaction(offsets, self.group_id)
             if futures:
                 await asyncio.gather(*futures)
+        counts_out: dict[str, int] = {}
+        for out in outs:
+            counts_out[out.topic] = counts_out.get(out.topic, 0) + 1
         for topic, n in counts_in.items():
             metrics.EVENTS_IN.labels(self.spec.name, topic).inc(n)
         for topic, n in counts_out.items():
             metrics.EVENTS_OUT.labels(self.spec.name, topic).inc(n)
         done = time.perf_counter()
         metrics.BATCH_SECONDS.labels(self.spec.name).observe(done - started)
-        self.processed += len(records)
-        st = self._stats
-        st["batches"] += 1
-        st["records"] += len(records)
-        st["outputs"] += len(outs)
-        st["changelog"] += n_state
-        st["handle_s"] += t_txn - started
-        st["txn_s"] += done - t_txn
+        self.processed += n_records
+        self._stats["txn_s"] += done - t_txn
         if time.monotonic() - self._stats_since >= _STATS_S:
             self._log_stats()
 
@@ -372,9 +430,11 @@ class Runner:
         b = max(1.0, st["batches"])
         log.info("%s: %.0fs: %d batches, %.1f records/batch, %.1f outputs + %.1f state "
                  "records/batch; per batch %.1f ms polling, %.1f ms processing, %.1f ms "
-                 "transaction", self.spec.name, now - self._stats_since, st["batches"],
-                 st["records"] / b, st["outputs"] / b, st["changelog"] / b,
-                 1000 * st["poll_s"] / b, 1000 * st["handle_s"] / b, 1000 * st["txn_s"] / b)
+                 "transaction; input age at poll mean %.0f ms, max %.0f ms", self.spec.name,
+                 now - self._stats_since, st["batches"], st["records"] / b, st["outputs"] / b,
+                 st["changelog"] / b, 1000 * st["poll_s"] / b, 1000 * st["handle_s"] / b,
+                 1000 * st["txn_s"] / b, st["age_ms"] / max(1.0, st["records"]),
+                 st["age_max_ms"])
         self._stats = dict.fromkeys(_STATS, 0.0)
         self._stats_since = now
 
