@@ -88,7 +88,11 @@ class ReplaySettings(BaseModel):
     gap_timeout_ms: int = 5_000
     max_buffered_per_episode: int = 10_000
     max_buffered_total: int = 2_000_000
-    max_buffered_bytes_per_episode: int = 4 * 1024 * 1024  # keeps a changelog record < 8 MiB
+    # Bytes one episode may hold back while it waits for a missing seq; beyond it the oldest
+    # gap is declared. None: the input topics' max.message.bytes + 512 KiB, so one valid
+    # record of the largest size never forces a false gap, and the state record (raw bytes)
+    # stays under the derived topics' limit (input limit + 1 MiB).
+    max_buffered_bytes_per_episode: int | None = None
     max_segment_events: int = 1024
     max_segment_bytes: int = 4 * 1024 * 1024
     dedupe_window: int = 64  # recent seqs per episode whose content is compared
