@@ -1,6 +1,6 @@
 """Clients running *through* a broker SIGKILL and restart (issue 9, "not covered yet"): a
 trainer's ReplayClient and the archiver, each started before the kill and kept running until
-well after the restart. Private brokers: the session broker is shared by every test.
+well after the restart. A private broker (the session broker is shared by every test).
 
 What must hold: the trainer's view per episode equals exactly what the emitters acknowledged
 (none missing, none twice, in order) and the trainer task survives; the archive holds every
@@ -11,8 +11,10 @@ archiver's committed offsets reach the end of its topics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import duckdb
@@ -34,11 +36,27 @@ from trajbus.bus.admin import ensure_base_topics
 from trajbus.bus.producer import close_producer
 from trajbus.bus.settings import ArchiveSettings
 from trajbus.bus.topics import Topics
+from trajbus.infra.broker import LocalBroker
 
 pytestmark = [pytest.mark.kafka]
 
 
-async def _kill_and_restart(broker, fleet: PacedFleet, outage_s: float = 3.0) -> None:
+@pytest.fixture(scope="module")
+def killable_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBroker]:
+    """A private broker for this module's tests (each kills and restarts it; one broker
+    start saved). Tests use their own topic prefixes and groups."""
+    with own_broker(tmp_path_factory.mktemp("killable") / "kafka") as broker:
+        yield broker
+
+
+@contextlib.contextmanager
+def _running(broker: LocalBroker) -> Iterator[LocalBroker]:
+    """The broker, up (a previous test that failed mid-outage may have left it down)."""
+    broker.start(timeout=120)
+    yield broker
+
+
+async def _kill_and_restart(broker: LocalBroker, fleet: PacedFleet, outage_s: float = 3.0) -> None:
     """SIGKILL the broker, keep the fleet emitting through an outage, restart it."""
     broker.kill()
     emitted_at_kill = fleet.emitted
@@ -49,13 +67,13 @@ async def _kill_and_restart(broker, fleet: PacedFleet, outage_s: float = 3.0) ->
 
 @pytest.mark.timeout(300)
 async def test_trainer_consuming_through_broker_sigkill_sees_each_acknowledged_event_once(
-        tmp_path: Path, unique_name: str) -> None:
-    with own_broker(tmp_path / "kafka") as broker:
+        killable_broker: LocalBroker, tmp_path: Path, unique_name: str) -> None:
+    with _running(killable_broker) as broker:
         settings = settings_for(broker.bootstrap, "tr", partitions=2)
         await ensure_base_topics(settings, ["task-a"])
         worker = Worker(settings, "reorder", "w0", log_path=tmp_path / "worker.log").start()
-        fleet = PacedFleet(settings, tmp_path / "sandboxes", n=3, step_s=0.02,
-                           steps_per_episode=20, name="tr").start()
+        fleet = PacedFleet(settings, tmp_path / "sandboxes", n=3, step_s=0.25,
+                           steps_per_episode=10, name="tr").start()
         trainer = LiveTrainer(settings, ["task-a"], f"{unique_name}-trainer").start()
         try:
             # The trainer is receiving segments: kill the broker under it.
@@ -85,9 +103,9 @@ async def test_trainer_consuming_through_broker_sigkill_sees_each_acknowledged_e
 
 @pytest.mark.timeout(300)
 async def test_archiver_running_through_broker_sigkill_archives_each_record_once(
-        tmp_path: Path, unique_name: str) -> None:
+        killable_broker: LocalBroker, tmp_path: Path, unique_name: str) -> None:
     archive = tmp_path / "archive"
-    with own_broker(tmp_path / "kafka") as broker:
+    with _running(killable_broker) as broker:
         settings = settings_for(broker.bootstrap, "ar", partitions=2, archive=ArchiveSettings(
             url=str(archive), spool_dir=str(tmp_path / "spool"),
             target_object_bytes=20_000))  # small objects: batches commit all the time
@@ -95,8 +113,8 @@ async def test_archiver_running_through_broker_sigkill_archives_each_record_once
         topics = Topics(settings)
         group = f"{unique_name}-archiver"
         # sandbox ids "ar-sb-0..2" land on both partitions of the events topic
-        fleet = PacedFleet(settings, tmp_path / "sandboxes", n=3, step_s=0.02,
-                           steps_per_episode=20, name="ar").start()
+        fleet = PacedFleet(settings, tmp_path / "sandboxes", n=3, step_s=0.25,
+                           steps_per_episode=10, name="ar").start()
         stop = asyncio.Event()
         archiver = asyncio.create_task(run_archiver(settings, stop, group_id=group,
                                                     dead_letter=_no_dead_letters))
