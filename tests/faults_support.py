@@ -22,7 +22,7 @@ import ipaddress
 import os
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -384,10 +384,14 @@ class LiveTrainer:
     """A trainer that runs *through* faults: one :class:`ReplayClient` started before the
     fault and kept until :meth:`stop`, written like a plain trainer (no retry, no
     try/except around the client): every segment recorded in :attr:`view` and acknowledged at
-    once. If the client raises, the task ends and :attr:`error` holds the exception."""
+    once (or, with ``ack_lag=n``, only once ``n`` later segments have arrived: segments are
+    held unacknowledged across the fault). If the client raises, the task ends and
+    :attr:`error` holds the exception."""
 
-    def __init__(self, settings: Settings, tasks: list[str], group: str) -> None:
+    def __init__(self, settings: Settings, tasks: list[str], group: str,
+                 ack_lag: int = 0) -> None:
         self.settings = settings
+        self.ack_lag = ack_lag
         self.tasks = tasks
         self.group = group
         self.view = TrainerView()
@@ -406,12 +410,17 @@ class LiveTrainer:
         try:
             async with ReplayClient(self.tasks, self.group, self.settings) as client:
                 self.client = client
+                held: deque[Any] = deque()
                 while not self._stop.is_set():
                     async for seg in client.segments(idle_timeout=0.5):
                         _add(self.view, seg)
-                        await client.ack(seg)
+                        held.append(seg)
+                        while len(held) > self.ack_lag:
+                            await client.ack(held.popleft())
                         if self._stop.is_set():
                             break
+                    while held and self._stop.is_set():
+                        await client.ack(held.popleft())
         except BaseException as exc:
             self.error = exc
             raise

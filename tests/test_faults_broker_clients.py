@@ -22,6 +22,7 @@ import pytest
 from faults_support import (
     LiveTrainer,
     PacedFleet,
+    TrainerView,
     committed_offsets,
     diff_views,
     end_offsets,
@@ -65,40 +66,50 @@ async def _kill_and_restart(broker: LocalBroker, fleet: PacedFleet, outage_s: fl
     await asyncio.to_thread(broker.start, 120)
 
 
+def _received(view: TrainerView) -> int:
+    return sum(map(len, view.events.values()))
+
+
 @pytest.mark.timeout(300)
 async def test_trainer_consuming_through_broker_sigkill_sees_each_acknowledged_event_once(
         killable_broker: LocalBroker, tmp_path: Path, unique_name: str) -> None:
+    """Two trainers (own groups) through the same kill: one acknowledges each segment at
+    once, the other holds its last 16 segments unacknowledged (so across the outage)."""
     with _running(killable_broker) as broker:
-        settings = settings_for(broker.bootstrap, "tr", partitions=2)
+        settings = settings_for(broker.bootstrap, unique_name, partitions=2)
         await ensure_base_topics(settings, ["task-a"])
         worker = Worker(settings, "reorder", "w0", log_path=tmp_path / "worker.log").start()
         fleet = PacedFleet(settings, tmp_path / "sandboxes", n=3, step_s=0.25,
                            steps_per_episode=10, name="tr").start()
-        trainer = LiveTrainer(settings, ["task-a"], f"{unique_name}-trainer").start()
+        trainers = [LiveTrainer(settings, ["task-a"], f"{unique_name}-trainer-lag{lag}",
+                                ack_lag=lag).start() for lag in (0, 16)]
         try:
-            # The trainer is receiving segments: kill the broker under it.
-            await trainer.wait_until(lambda v: sum(map(len, v.events.values())) >= 50, 90)
-            assert sum(map(len, trainer.view.events.values())) >= 50, "trainer got nothing"
-            received_before = sum(map(len, trainer.view.events.values()))
+            # The trainers are receiving segments: kill the broker under them.
+            for t in trainers:
+                await t.wait_until(lambda v: _received(v) >= 50, 90)
+                assert _received(t.view) >= 50, "a trainer got nothing before the kill"
+            before = [_received(t.view) for t in trainers]
             await _kill_and_restart(broker, fleet)
-            # production continues on the restarted broker and reaches the trainer
-            await trainer.wait_until(
-                lambda v: sum(map(len, v.events.values())) > received_before + 100, 90)
+            # production continues on the restarted broker and reaches the trainers
+            for t, n in zip(trainers, before, strict=True):
+                await t.wait_until(lambda v, n=n: _received(v) > n + 100, 90)
             await fleet.stop()
             await close_producer()
             assert all(fleet.closed_ok), "an emitter could not flush after the restart"
             expected = dict(fleet.acked)
-            await trainer.wait_until(lambda v: v.complete(expected), 150)
-            await trainer.stop()
+            for t in trainers:
+                await t.wait_until(lambda v: v.complete(expected), 150)
+            await asyncio.gather(*(t.stop() for t in trainers))
             assert worker.proc is not None and worker.proc.poll() is None, (
                 "the worker died with the broker: "
                 + (tmp_path / "worker.log").read_text()[-3000:])
         finally:
             worker.stop()
-    print(f"trainer stats: {trainer.client.stats if trainer.client else None}")
-    assert trainer.error is None
     assert len(expected) >= 6
-    assert diff_views(expected, trainer.view) == []
+    for t in trainers:
+        print(f"trainer ack_lag={t.ack_lag} stats: {t.client.stats if t.client else None}")
+        assert t.error is None
+        assert diff_views(expected, t.view) == [], f"ack_lag={t.ack_lag}"
 
 
 @pytest.mark.timeout(300)
@@ -106,9 +117,10 @@ async def test_archiver_running_through_broker_sigkill_archives_each_record_once
         killable_broker: LocalBroker, tmp_path: Path, unique_name: str) -> None:
     archive = tmp_path / "archive"
     with _running(killable_broker) as broker:
-        settings = settings_for(broker.bootstrap, "ar", partitions=2, archive=ArchiveSettings(
-            url=str(archive), spool_dir=str(tmp_path / "spool"),
-            target_object_bytes=20_000))  # small objects: batches commit all the time
+        settings = settings_for(
+            broker.bootstrap, unique_name, partitions=2, archive=ArchiveSettings(
+                url=str(archive), spool_dir=str(tmp_path / "spool"),
+                target_object_bytes=20_000))  # small objects: batches commit all the time
         await ensure_base_topics(settings, ["task-a"])
         topics = Topics(settings)
         group = f"{unique_name}-archiver"
