@@ -430,9 +430,9 @@ class WatchdogCore:
         Tick only refresh the activity time of their stream. Never raises."""
         try:
             if kind == "ToolCall":
-                return self._on_call(record)
+                return self._on_tool(record, True)
             if kind == "ToolResult":
-                return self._on_result(record)
+                return self._on_tool(record, False)
             if kind == "EpisodeStart":
                 return self._on_episode_start(record)
             if kind == "EpisodeEnd":
@@ -529,7 +529,14 @@ class WatchdogCore:
         return out
 
     # -- event handlers -----------------------------------------------------------------------
-    def _on_call(self, rec: Mapping[str, Any]) -> list[Output]:
+    def _on_tool(self, rec: Mapping[str, Any], call: bool) -> list[Output]:
+        """ToolCall (``call``) or ToolResult. One shared prologue -- read and type-check the
+        header and the four kind-specific fields (``call_id``; ``tool``/``status``; the hash;
+        the optional canonical text), drop duplicates, compute the fingerprint, create and
+        touch the stream; nothing is mutated before every check passed, so a refused event
+        leaves no trace -- then the call or the result rule. One method, not a helper that
+        returns a tuple: on this hot path the extra call plus tuple per event measured a few
+        percent slower (paired runs against the two inline copies), this form at parity."""
         h = rec["header"]
         task = h["task"]
         sandbox = h["sandbox"]
@@ -538,12 +545,17 @@ class WatchdogCore:
         t = h["event_time_ms"]
         event_id = h["event_id"]
         cid = rec["call_id"]
-        tool = rec["tool"]
-        ahash = rec["args_hash"]
-        acanon = rec.get("args_canonical")
+        if call:
+            name = rec["tool"]
+            fhash = rec["args_hash"]
+            canon = rec.get("args_canonical")
+        else:
+            name = rec["status"]
+            fhash = rec["result_hash"]
+            canon = rec.get("result_canonical")
         if (type(seq) is not int or type(t) is not int or seq < 0 or type(cid) is not str
-                or type(tool) is not str or type(ahash) is not str
-                or (acanon is not None and type(acanon) is not str)
+                or type(name) is not str or type(fhash) is not str
+                or (canon is not None and type(canon) is not str)
                 or type(sandbox) is not str or type(task) is not str
                 or type(event_id) is not str
                 or (episode is not None and type(episode) is not str)):
@@ -556,125 +568,80 @@ class WatchdogCore:
             rules = st.rules
         else:
             rules = self._task_rules.get(task, self.default_rules)
-        # call fingerprint (everything above this line mutates nothing)
-        if acanon is not None and (not self.trust_canonical or (
-                rules.detect is not None and rules.detect(acanon) is not None)):
-            afp = self._fp_text(rules, acanon, "args")
+        # fingerprint (may refuse the event: still nothing mutated)
+        if canon is not None and (not self.trust_canonical or (
+                rules.detect is not None and rules.detect(canon) is not None)):
+            fp = self._fp_text(rules, canon, "args" if call else "result")
         else:
             try:
-                afp = _fromhex(ahash)
+                fp = _fromhex(fhash)
             except ValueError:
-                afp = _opaque(ahash)
+                fp = _opaque(fhash)
         if st is None:
             st = self._new(key, task, sandbox, episode)
-        tool = self._tools.get(tool) or self._intern(tool)
-
         self._dirty.add(key)
         st.last_seq = seq
         if t > st.last_time:
             st.last_time = t
         st.stalled = False
-        n = st.n
         ring = st.ring
         win = st.win
-        r = rules.ring_len
-        outs: list[Output] = []
-        matched = False  # no window grew: nothing can fire
-        if n == 0:
-            for _length, off, _ in rules.cycles:
-                win[off] = (0, seq, t, 0, _START)
-        else:
-            for length, off, _ in rules.cycles:
-                if n < length:
-                    break
-                j = ((n - length) % r) * _RS
-                prev_afp = ring[j + _R_AFP]
-                if prev_afp == afp and ring[j] == tool:
-                    afp = prev_afp  # share one object per distinct call (memory)
-                    matched = True
-                    continue
-                # the call breaks this cycle length's window: restart it at the last L calls
-                if st.loop_len == length:
-                    outs.append(self._loop_ended(
-                        st, length, off, n - 1, seq, t, event_id,
-                        f"pattern broken by {tool}:{afp.hex()} at seq {seq}"))
-                s = n - length + 1
-                if s == n:
-                    win[off] = (s, seq, t, 0, _BROKEN)
-                else:
-                    b = (s % r) * _RS
-                    win[off] = (s, ring[b + _R_SEQ], ring[b + _R_TIME], 0, _BROKEN)
-        slot = (n % r) * _RS
-        if ring[slot + _R_CID] is not None:
-            st.open_old += 1
-        ring[slot] = tool
-        ring[slot + _R_AFP] = afp
-        ring[slot + _R_SEQ] = seq
-        ring[slot + _R_TIME] = t
-        ring[slot + _R_RFP] = None
-        ring[slot + _R_CID] = cid
-        st.n = n + 1
-        if matched and st.loop_len == 0:
-            calls = n + 1
-            for length, off, need in rules.cycles:
-                if calls - win[off][0] >= need:
-                    fired = self._maybe_fire(st, length, off, seq, t, event_id)
-                    if fired:
-                        outs.extend(fired)
-                        break
-        return outs
-
-    def _on_result(self, rec: Mapping[str, Any]) -> list[Output]:
-        h = rec["header"]
-        task = h["task"]
-        sandbox = h["sandbox"]
-        episode = h.get("episode")
-        seq = h["seq"]
-        t = h["event_time_ms"]
-        event_id = h["event_id"]
-        cid = rec["call_id"]
-        status = rec["status"]
-        rhash = rec["result_hash"]
-        rcanon = rec.get("result_canonical")
-        if (type(seq) is not int or type(t) is not int or seq < 0 or type(cid) is not str
-                or type(status) is not str or type(rhash) is not str
-                or (rcanon is not None and type(rcanon) is not str)
-                or type(sandbox) is not str or type(task) is not str
-                or type(event_id) is not str
-                or (episode is not None and type(episode) is not str)):
-            raise TypeError("field check")
-        key = sandbox if episode is None else f"{sandbox}\x1f{episode}"
-        st = self._streams.get(key)
-        if st is not None:
-            if seq <= st.last_seq:
-                return []
-            rules = st.rules
-        else:
-            rules = self._task_rules.get(task, self.default_rules)
-        if rcanon is not None and (not self.trust_canonical or (
-                rules.detect is not None and rules.detect(rcanon) is not None)):
-            rfp = self._fp_text(rules, rcanon, "result")
-        else:
-            try:
-                rfp = _fromhex(rhash)
-            except ValueError:
-                rfp = _opaque(rhash)
-        if status != "OK":
-            prefix = _STATUS_PREFIX.get(status)
-            rfp = (prefix if prefix is not None
-                   else status.encode("utf-8", "surrogatepass") + b"\x00") + rfp
-        if st is None:
-            st = self._new(key, task, sandbox, episode)
-
-        self._dirty.add(key)
-        st.last_seq = seq
-        if t > st.last_time:
-            st.last_time = t
-        st.stalled = False
-        ring = st.ring
-        r = rules.ring_len
         n = st.n
+        r = rules.ring_len
         outs: list[Output] = []
+
+        if call:  # -- ToolCall: ring slot, windows, loop rule
+            tool = self._tools.get(name) or self._intern(name)
+            matched = False  # no window grew: nothing can fire
+            if n == 0:
+                for _length, off, _ in rules.cycles:
+                    win[off] = (0, seq, t, 0, _START)
+            else:
+                for length, off, _ in rules.cycles:
+                    if n < length:
+                        break
+                    j = ((n - length) % r) * _RS
+                    prev_fp = ring[j + _R_AFP]
+                    if prev_fp == fp and ring[j] == tool:
+                        fp = prev_fp  # share one object per distinct call (memory)
+                        matched = True
+                        continue
+                    # the call breaks this cycle length's window: restart it at the last L
+                    if st.loop_len == length:
+                        outs.append(self._loop_ended(
+                            st, length, off, n - 1, seq, t, event_id,
+                            f"pattern broken by {tool}:{fp.hex()} at seq {seq}"))
+                    s = n - length + 1
+                    if s == n:
+                        win[off] = (s, seq, t, 0, _BROKEN)
+                    else:
+                        b = (s % r) * _RS
+                        win[off] = (s, ring[b + _R_SEQ], ring[b + _R_TIME], 0, _BROKEN)
+            slot = (n % r) * _RS
+            if ring[slot + _R_CID] is not None:
+                st.open_old += 1
+            ring[slot] = tool
+            ring[slot + _R_AFP] = fp
+            ring[slot + _R_SEQ] = seq
+            ring[slot + _R_TIME] = t
+            ring[slot + _R_RFP] = None
+            ring[slot + _R_CID] = cid
+            st.n = n + 1
+            if matched and st.loop_len == 0:
+                calls = n + 1
+                for length, off, need in rules.cycles:
+                    if calls - win[off][0] >= need:
+                        fired = self._maybe_fire(st, length, off, seq, t, event_id)
+                        if fired:
+                            outs.extend(fired)
+                            break
+            return outs
+
+        # -- ToolResult: close the call, result changes, loop rule
+        if name != "OK":
+            prefix = _STATUS_PREFIX.get(name)
+            fp = (prefix if prefix is not None
+                  else name.encode("utf-8", "surrogatepass") + b"\x00") + fp
         for i in range(r):
             if ring[i * _RS + _R_CID] == cid:
                 break
@@ -683,11 +650,10 @@ class WatchdogCore:
                 st.open_old -= 1
             return outs
         b = i * _RS
-        ring[b + _R_RFP] = rfp
+        ring[b + _R_RFP] = fp
         ring[b + _R_CID] = None
         j = n - 1 - ((n - 1 - i) % r)  # call index of slot i
         lo = n - r  # oldest call index still in the ring
-        win = st.win
         for length, off, _ in rules.cycles:
             s = win[off][0]
             if j < s:
@@ -697,15 +663,15 @@ class WatchdogCore:
             if k >= s and k >= lo:
                 other = ring[(k % r) * _RS + _R_RFP]
                 if other is not None:
-                    if other == rfp:
-                        rfp = ring[b + _R_RFP] = other  # share one object per distinct result
+                    if other == fp:
+                        fp = ring[b + _R_RFP] = other  # share one object per distinct result
                     else:
                         self._result_changed(st, length, off, j, seq, t, event_id, outs)
             # ...and one cycle later (results may arrive out of order)
             k = j + length
             if k < n:
                 other = ring[(k % r) * _RS + _R_RFP]
-                if other is not None and other != rfp and win[off][0] <= j:
+                if other is not None and other != fp and win[off][0] <= j:
                     self._result_changed(st, length, off, k, seq, t, event_id, outs)
         if st.loop_len == 0:
             for length, off, need in rules.cycles:
