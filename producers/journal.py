@@ -28,6 +28,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -160,18 +161,29 @@ class Journal:
             os.fdatasync(old_fd)
         seg = max([*self.segments(), self.active]) + 1
         path = self.path(seg)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        frame = self._frame({**snapshot, "t": "S"}, b"")
         try:
-            frame = self._frame({**snapshot, "t": "S"}, b"")
-            os.write(fd, frame)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC,
+                         0o600)
+        except OSError as exc:
+            raise JournalError(f"cannot create journal segment {path}: {exc}") from exc
+        try:
+            view = memoryview(frame)
+            while view:
+                view = view[os.write(fd, view):]
             os.fdatasync(fd)
             dfd = os.open(self.dir, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
-        except BaseException:
+        except BaseException as exc:
+            # no half-written segment left behind: the active segment stays the old one
             os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            if isinstance(exc, OSError):
+                raise JournalError(f"cannot start journal segment {path}: {exc}") from exc
             raise
         self._fd = fd
         self.active = seg
