@@ -168,3 +168,50 @@ async def test_mutual_tls_client_certificate_reaches_producer_consumer_admin_and
                 "ssl_certfile": cert and str(cert), "ssl_keyfile": key and str(key),
                 "connect_timeout_s": 5}))
     await _pipeline(secure, env, tmp_path, f"{unique_name}-trainer", "mtls")
+
+
+def test_local_broker_sasl_listener_properties_and_no_password_in_the_format_command(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LocalBroker's SASL options, without starting a JVM: the listener and SCRAM properties,
+    one ``--add-scram`` per (user, mechanism) carrying a salted password, never the password."""
+    import subprocess
+
+    from trajbus.infra import broker as broker_mod
+
+    b = LocalBroker(data_dir=tmp_path, port=19001, controller_port=19002, sasl_port=19003,
+                    scram_users={USER: PASSWORD})
+    props = b.server_properties()
+    assert "SASL_PLAINTEXT://127.0.0.1:19003" in props["listeners"]
+    assert "SASL_PLAINTEXT://127.0.0.1:19003" in props["advertised.listeners"]
+    assert "SASL_PLAINTEXT:SASL_PLAINTEXT" in props["listener.security.protocol.map"]
+    assert props["sasl.enabled.mechanisms"] == "SCRAM-SHA-256,SCRAM-SHA-512"
+    assert props["inter.broker.listener.name"] == "PLAINTEXT"
+    assert "ScramLoginModule" in props[
+        "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config"]
+    assert b.sasl_bootstrap == "127.0.0.1:19003" and PASSWORD not in repr(b)
+
+    seen: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "not really formatting")
+
+    monkeypatch.setattr(broker_mod.subprocess, "run", fake_run)
+    monkeypatch.setattr(broker_mod, "_require_java", lambda: "java")
+    with pytest.raises(broker_mod.BrokerError) as failed:
+        b._format(tmp_path, "cluster-id")
+    cmd = seen[0]
+    scram = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--add-scram"]
+    assert [s.split("=[")[0] for s in scram] == ["SCRAM-SHA-256", "SCRAM-SHA-512"]
+    assert all(f"name={USER},iterations=8192,salt=" in s and "saltedpassword=" in s
+               for s in scram)
+    assert PASSWORD not in " ".join(cmd) and PASSWORD not in str(failed.value)
+
+    with pytest.raises(ValueError, match="sasl_port"):
+        LocalBroker(data_dir=tmp_path, port=1, controller_port=2, scram_users={USER: "x"})
+    with pytest.raises(ValueError, match="user name"):
+        LocalBroker(data_dir=tmp_path, port=1, controller_port=2, sasl_port=3,
+                    scram_users={"a,b=[x]": "x"})
+    with pytest.raises(ValueError, match="scram_mechanisms"):
+        LocalBroker(data_dir=tmp_path, port=1, controller_port=2, sasl_port=3,
+                    scram_mechanisms=("PLAIN",))
