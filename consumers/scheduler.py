@@ -609,9 +609,11 @@ class SchedulerCore:
             suspicious = suspicious or sb.suspicious
         self._seq += 1
         self._dirty_meta = True
-        self.stats[kind.value] = self.stats.get(kind.value, 0) + 1
+        value = kind.value  # an enum property: read it once
+        stats = self.stats
+        stats[value] = stats.get(value, 0) + 1
         out.append(DecisionOut(
-            decision=kind.value, reason=reason, time_ms=self._now, seq=self._seq,
+            decision=value, reason=reason, time_ms=self._now, seq=self._seq,
             sandbox=sandbox, task=task, node=node, tenant=tenant, request_id=request_id,
             suspicious=suspicious, scores=scores or {}, details=details or {},
             cause_event_ids=tuple(filter(None, causes)),
@@ -964,7 +966,7 @@ class SchedulerCore:
 
     @staticmethod
     def _fmt_seqs(seqs: dict[str, int]) -> str:
-        return ",".join(f"{ep}:{seqs[ep]}" for ep in sorted(seqs))
+        return ",".join([f"{ep}:{seqs[ep]}" for ep in sorted(seqs)])
 
     def _recycle(self, sb: SandboxState, out: list[Output], kind: DecisionKind, reason: str,
                  details: dict[str, str], causes: list[str]) -> None:
