@@ -120,8 +120,10 @@ def compact(store: ObjectStore, *, target_bytes: int = 64 * 1024 * 1024,
                 continue
             tables = []
             for p, _ in bundle:
-                with store.open_input(p.key) as f:
-                    tables.append(pq.read_table(f, schema=ARCHIVE_SCHEMA))
+                # whole-object GETs (an input is read entirely anyway): they go through the
+                # store's retries, so compaction rides out an S3 outage like the archiver
+                data = pa.BufferReader(store.get_bytes(p.key))
+                tables.append(pq.read_table(data, schema=ARCHIVE_SCHEMA))
             merged = pa.concat_tables(tables)
             report.rows += merged.num_rows
             writer.write_object(merged, key, layout.index_key(date, task_name, name), date, hour,
