@@ -193,6 +193,65 @@ def replay_client(settings: Settings, task: str, group: str, max_in_flight: int,
     return cls([task], group, settings, max_in_flight=max_in_flight)
 
 
+class InputProbe:
+    """``--probe-input``: a read_committed consumer of the input topic beside the worker, to
+    split the latency before the worker: event creation -> the Kafka record's create time
+    (the emitter: journal, fsync, its send loop) and create time -> fetched by a consumer
+    (the producer's linger and in-flight queue, the broker, the fetch)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.emit_to_send: dict[str, list[float]] = {}
+        self.send_to_fetch: dict[str, list[float]] = {}
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        from trajbus.bus.topics import Topics
+
+        topic = Topics(self.settings).sandbox_events
+        consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.kafka.bootstrap_servers,
+                                    isolation_level="read_committed", enable_auto_commit=False)
+        await consumer.start()
+        tps = [TopicPartition(topic, p)
+               for p in range(self.settings.topics.partitions)]
+        consumer.assign(tps)
+        await consumer.seek_to_end(*tps)
+        self.task = asyncio.create_task(self._run(consumer))
+
+    async def _run(self, consumer: Any) -> None:
+        from trajbus.schemas.codec import default_codec
+
+        codec = default_codec()
+        try:
+            while True:
+                batch = await consumer.getmany(timeout_ms=200)
+                t = now_ms()
+                for msgs in batch.values():
+                    for m in msgs:
+                        h = codec.decode(m.value).header
+                        phase = (h.get("episode") or "-").split("-", 1)[0]
+                        self.emit_to_send.setdefault(phase, []).append(
+                            m.timestamp - h["event_time_ms"])
+                        self.send_to_fetch.setdefault(phase, []).append(t - m.timestamp)
+        finally:
+            await consumer.stop()
+
+    def report(self, phase: str) -> dict[str, Any]:
+        a, b = self.emit_to_send.get(phase, []), self.send_to_fetch.get(phase, [])
+        return {"event_to_record_create": {"p50": round(percentile(a, 50), 1),
+                                           "p99": round(percentile(a, 99), 1)},
+                "record_create_to_fetched": {"p50": round(percentile(b, 50), 1),
+                                             "p99": round(percentile(b, 99), 1)}}
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+
 class Trainer:
     """A ReplayClient in a background task; each segment goes to the sink of its phase (the
     episode id's prefix) and is acknowledged."""
@@ -270,7 +329,7 @@ async def warm_up(settings: Settings, trainer: Trainer, task: str) -> None:
 
 async def rate_phase(args: argparse.Namespace, settings: Settings, trainer: Trainer,
                      worker_pid: int, task: str, rate: int, events: int,
-                     variant: str) -> dict[str, Any]:
+                     variant: str, probe: InputProbe | None = None) -> dict[str, Any]:
     phase = (f"r{rate}" if rate else "rmax") + variant
     cmd = [sys.executable, str(Path(__file__).resolve()), "--produce", "--bootstrap",
            args.bootstrap, "--prefix", settings.topics.prefix, "--partitions",
@@ -290,7 +349,8 @@ async def rate_phase(args: argparse.Namespace, settings: Settings, trainer: Trai
     sink = trainer.sinks.get(phase, Sink())
     span_s = max(1e-9, (sink.last_ms - prod["t_first_emit_ms"]) / 1000)
     lat = sink.latencies_ms
-    return {
+    extra = {"input_probe_ms": probe.report(phase)} if probe is not None else {}
+    return {**extra,
         "offered_events_per_s": rate or "max",
         "events_emitted": total, "events_delivered": sink.events, "complete": ok,
         "segments": sink.segments,
@@ -437,8 +497,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         for commit_ms, name in variants.items():
             task = f"bench-{name}"
             trainer = Trainer(settings, task, commit_ms)
+            probe = InputProbe(settings) if args.probe_input else None
             try:
                 await trainer.start()
+                if probe is not None:
+                    await probe.start()
                 await warm_up(settings, trainer, task)
                 phases = []
                 for rate in args.rates:
@@ -447,11 +510,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"[e2e] trainer {name}: offered {rate or 'max'} events/s, "
                           f"{events} events", flush=True)
                     phases.append(await rate_phase(args, settings, trainer, worker.pid, task,
-                                                   rate, events, name))
+                                                   rate, events, name, probe))
                     if worker.poll() is not None:
                         raise RuntimeError(f"worker exited {worker.returncode}; log {log_path}")
                 res["trainers"][name] = phases
             finally:
+                if probe is not None:
+                    await probe.stop()
                 await trainer.stop()
         if args.overlap_episodes:
             for commit_ms, name in variants.items():
@@ -520,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
                     default=[0.0, 100.0],
                     help="trainer variants: 0 = stock ReplayClient (commit per ack), N = "
                          "commits coalesced to one per N ms (bench-side subclass)")
+    ap.add_argument("--probe-input", action="store_true",
+                    help="also read the input topic to split the latency before the worker "
+                         "(costs trainer-process CPU)")
     ap.add_argument("--overlap-episodes", type=int, default=6)
     ap.add_argument("--overlap-steps", type=int, default=20)
     ap.add_argument("--overlap-step-ms", type=float, default=25.0)
@@ -542,8 +610,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"e2e [{name}] offered {p['offered_events_per_s']}/s: delivered "
                   f"{p['events_delivered']:,}/{p['events_emitted']:,} at "
                   f"{p['end_to_end_events_per_s']:,} ev/s, latency p50 {lat['p50']} ms p99 "
-                  f"{lat['p99']} ms (split {p['latency_split_ms']}); ev per CPU-s: "
-                  f"{p['events_per_cpu_s']}")
+                  f"{lat['p99']} ms (split {p['latency_split_ms']}"
+                  f"{', input ' + str(p['input_probe_ms']) if 'input_probe_ms' in p else ''}"
+                  f"); ev per CPU-s: {p['events_per_cpu_s']}")
     for name, ov in res.get("segmented_vs_whole", {}).items():
         if isinstance(ov, dict):
             first, whole = ov["first_usable_vs_whole_ms"]

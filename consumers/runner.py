@@ -72,7 +72,11 @@ class OutRecord:
 
 class Processor(Protocol):
     """A pure core plus its encoding. One instance serves one input partition (or all of them
-    for a global processor such as the scheduler)."""
+    for a global processor such as the scheduler).
+
+    Optional: ``handle_batch(records) -> list[OutRecord]``, the records of one transaction
+    in log order; the runner calls it instead of :meth:`handle` when present, so an adapter
+    can coalesce outputs (the reorder adapter writes one segment per episode per batch)."""
 
     def handle(self, record: InRecord) -> list[OutRecord]: ...
 
