@@ -269,6 +269,7 @@ def _ustr(blob: bytes, off: int) -> tuple[str, int]:
 
 
 _tnew = tuple.__new__
+_DIGEST_END = 2**64
 
 
 def _valid_digest(d: object) -> bool:
@@ -402,6 +403,56 @@ class ReorderCore:
                     if self._clock >= self._next_due:
                         self._fire(out)
                     return out
+                # Stall path: a plain event beyond the next expected seq of an open episode with
+                # no known last seq (it starts or extends the buffer), or the missing seq of a
+                # stalled one (it releases what is contiguous). Exactly what _slow does for
+                # such an event, minus its checks that cannot fail here; anything unusual
+                # (duplicates, bounds reached, ends, odd types) still goes through _slow.
+                if (
+                    ep is not None
+                    and outcome is None
+                    and type(seq) is int
+                    and seq >= ep.next_seq
+                    and ep.stop < 0
+                    and (ep.buf is not None or ep.expect >= 0)  # open (not closed)
+                    and kind != "EpisodeStart"
+                    and kind != "EpisodeEnd"
+                    and type(raw) is bytes
+                    and type(digest) is int
+                    and 0 < digest < _DIGEST_END
+                ):
+                    buf = ep.buf
+                    n = len(raw)
+                    if seq == ep.next_seq:  # (buf is not None: else the fast path took it)
+                        self._c["events"] += 1
+                        ep.active = self._clock
+                        self._dirty_eps.add(ep)
+                        out = []
+                        self._drain(ep, out, None, (raw, digest, t))
+                        if self._clock >= self._next_due:
+                            self._fire(out)
+                        return out
+                    if (
+                        (buf is None or seq not in buf)
+                        and (0 if buf is None else len(buf)) < self._max_ep
+                        and ep.buf_bytes + n <= self._max_ep_bytes
+                        and self._buffered < self._max_total
+                    ):  # buffer it (no bound is reached: nothing to force-close)
+                        self._c["events"] += 1
+                        ep.active = self._clock
+                        self._dirty_eps.add(ep)
+                        if buf is None:
+                            buf = ep.buf = {}
+                            ep.expect = -1
+                            self._arm_gap(ep)
+                        buf[seq] = (raw, digest, t)
+                        ep.buf_bytes += n
+                        self._buffered += 1
+                        self._buffered_bytes += n
+                        out = []
+                        if self._clock >= self._next_due:
+                            self._fire(out)
+                        return out
             else:
                 ep = None
             out = []
