@@ -20,7 +20,8 @@ class BrokerUnavailableError(RuntimeError):
 
 
 class BrokerAuthenticationError(BrokerUnavailableError):
-    """The broker answered but refused the configured SASL credentials."""
+    """The broker answered but refused the configured SASL credentials (or the TLS
+    handshake: an untrusted server certificate, a missing or refused client certificate)."""
 
 
 def connection_options(k: KafkaSettings) -> dict[str, Any]:
@@ -64,6 +65,14 @@ async def check_broker(k: KafkaSettings) -> list[str]:
                 "TRAJBUS_KAFKA__SASL_USERNAME, TRAJBUS_KAFKA__SASL_PASSWORD and "
                 "TRAJBUS_KAFKA__SASL_MECHANISM."
             ) from exc
+        tls_failure = await _tls_refusal(k) if k.security_protocol.endswith("SSL") else None
+        if tls_failure is not None:
+            raise BrokerAuthenticationError(
+                f"the TLS handshake with Kafka at {k.bootstrap_servers} failed: {tls_failure}. "
+                "Check TRAJBUS_KAFKA__SSL_CAFILE (the CA that signed the broker's certificate) "
+                "and, if the broker requires client certificates, TRAJBUS_KAFKA__SSL_CERTFILE "
+                "and TRAJBUS_KAFKA__SSL_KEYFILE (a certificate its CA trusts)."
+            ) from exc
         raise BrokerUnavailableError(
             f"Kafka at {k.bootstrap_servers} did not answer within {k.connect_timeout_s:.0f}s "
             f"({type(exc).__name__}: {exc}). Start the local broker with `trajbus kafka up`, "
@@ -72,6 +81,32 @@ async def check_broker(k: KafkaSettings) -> list[str]:
     finally:
         await admin.close()
     return sorted(topics)
+
+
+async def _tls_refusal(k: KafkaSettings) -> str | None:
+    """Why a TLS connection to the first bootstrap server fails, or None. With TLS 1.3 a
+    refused client certificate shows only as an alert on the first read after the handshake,
+    so read briefly: a healthy broker sends nothing unasked (the read times out: no problem)."""
+    import ssl
+
+    opts = connection_options(k)
+    ctx = opts.get("ssl_context")
+    if ctx is None:
+        return None
+    host, _, port = k.bootstrap_servers.split(",")[0].strip().rpartition(":")
+    writer = None
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, int(port), ssl=ctx), timeout=k.connect_timeout_s)
+        await asyncio.wait_for(reader.read(1), timeout=2.0)
+    except ssl.SSLError as exc:
+        return getattr(exc, "verify_message", None) or exc.reason or str(exc)
+    except (OSError, TimeoutError):
+        return None  # not a TLS problem: the generic error says what to do
+    finally:
+        if writer is not None:
+            writer.close()
+    return None
 
 
 async def _sasl_refusal(k: KafkaSettings) -> str | None:

@@ -162,11 +162,20 @@ async def test_mutual_tls_client_certificate_reaches_producer_consumer_admin_and
     }
     secure = _settings_from_env(monkeypatch, env)
     # refused: no client certificate; a client certificate signed by another CA
+    # refused with an error naming the TLS failure and the settings to check
     for cert, key in ((None, None), (tls["rogue_cert"], tls["rogue_key"])):
-        with pytest.raises(BrokerUnavailableError):
+        with pytest.raises(BrokerAuthenticationError) as refused:
             await check_broker(secure.kafka.model_copy(update={
                 "ssl_certfile": cert and str(cert), "ssl_keyfile": key and str(key),
                 "connect_timeout_s": 5}))
+        message = str(refused.value)
+        assert "TLS handshake" in message and "TRAJBUS_KAFKA__SSL_CERTFILE" in message, message
+        assert "CERTIFICATE" in message.upper(), message  # the broker's alert, e.g. "bad cert"
+    # a client that does not trust the broker's CA: the verification failure is named
+    with pytest.raises(BrokerAuthenticationError, match=r"certificate verify failed|self.signed|"
+                       r"unable to get local issuer"):
+        await check_broker(secure.kafka.model_copy(update={
+            "ssl_cafile": str(tls["rogue_cert"]), "connect_timeout_s": 5}))
     await _pipeline(secure, env, tmp_path, f"{unique_name}-trainer", "mtls")
 
 
