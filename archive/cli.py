@@ -66,7 +66,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="one JSON object per line (bytes as "
                    "base64) instead of a table")
     e.add_argument("--trace-out", metavar="FILE", help="also reassemble the episode's trace "
-                   "file from its TraceChunk events into FILE")
+                   "file from its TraceChunk events into FILE (chunks stored as claim-check "
+                   "blobs are fetched and verified against their sha256)")
+    e.add_argument("--no-blobs", action="store_true", help="with --trace-out: write the inline "
+                   "chunks only, listing the claim-check blobs left out")
     e.set_defaults(archive_func=_cmd_episode)
 
     s = sub.add_parser("sql", help="run SQL with DuckDB over the archive",
@@ -156,7 +159,8 @@ def _jsonable(v: Any) -> Any:
 
 
 def _cmd_episode(args: argparse.Namespace) -> int:
-    from trajbus.archive.query import ArchiveReader, reassemble_trace
+    from trajbus.archive.query import ArchiveReader, fetch_row_blob, reassemble_trace
+    from trajbus.archive.storage import StoreError
 
     reader = ArchiveReader(_store(args))
     table = reader.episode(args.task, args.sandbox, args.episode)
@@ -174,12 +178,21 @@ def _cmd_episode(args: argparse.Namespace) -> int:
             size = f" {len(r['data'])}B" if r.get("data") is not None else ""
             print(f"{r['seq']:>8} {r['event_time_ms']} {r['kind']:<16} {detail}{size}")
     if args.trace_out:
-        data, missing = reassemble_trace(rows)
+        from trajbus.producers.claimcheck import BlobIntegrityError
+
+        endpoint = args.endpoint_url or _settings().archive.s3_endpoint_url
+        fetch = None if args.no_blobs else (lambda row: fetch_row_blob(row, endpoint))
+        try:
+            data, missing = reassemble_trace(rows, fetch)
+        except (BlobIntegrityError, StoreError) as exc:
+            print(f"error: cannot fetch a claim-check blob of this episode: {exc}. Use "
+                  "--no-blobs to write the inline chunks only", file=sys.stderr)
+            return 1
         with open(args.trace_out, "wb") as fh:
             fh.write(data)
         print(f"wrote {len(data)} bytes to {args.trace_out}"
-              + (f"; {len(missing)} chunks are claim-check blobs: {missing[:3]}" if missing
-                 else ""), file=sys.stderr)
+              + (f"; {len(missing)} claim-check chunks left out (--no-blobs): {missing[:3]}"
+                 if missing else ""), file=sys.stderr)
     return 0
 
 

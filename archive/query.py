@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -195,10 +195,14 @@ def _local_view(con: Any, name: str, paths: list[str], schema: pa.Schema, hive: 
                 f"hive_partitioning={'true' if hive else 'false'})")
 
 
-def reassemble_trace(events: pa.Table | Iterable[dict[str, Any]]) -> tuple[bytes, list[str]]:
+def reassemble_trace(events: pa.Table | Iterable[dict[str, Any]],
+                     fetch_blob: Callable[[dict[str, Any]], bytes] | None = None,
+                     ) -> tuple[bytes, list[str]]:
     """Rebuild an episode's trace file from its TraceChunk events (seq order). Returns the
-    bytes and the claim-check URIs of chunks not stored inline (fetch them separately).
-    A chunk with ``reset`` set restarts the file (the trace was truncated or replaced)."""
+    bytes and the claim-check URIs of chunks not stored inline and not fetched: with
+    ``fetch_blob`` (row -> verified bytes, e.g. :func:`fetch_row_blob`) those are fetched and
+    placed too. A chunk with ``reset`` set restarts the file (the trace was truncated or
+    replaced)."""
     rows = events.to_pylist() if isinstance(events, pa.Table) else list(events)
     buf = bytearray()
     missing: list[str] = []
@@ -210,13 +214,26 @@ def reassemble_trace(events: pa.Table | Iterable[dict[str, Any]]) -> tuple[bytes
         off = int(r.get("file_offset") or 0)
         data = r.get("data")
         if data is None:
-            if r.get("blob_uri"):
+            if not r.get("blob_uri"):
+                continue
+            if fetch_blob is None:
                 missing.append(r["blob_uri"])
-            continue
+                continue
+            data = fetch_blob(r)
         if len(buf) < off:
             buf.extend(b"\x00" * (off - len(buf)))
         buf[off:off + len(data)] = data
     return bytes(buf), missing
+
+
+def fetch_row_blob(row: dict[str, Any], endpoint_url: str | None = None) -> bytes:
+    """The claim-check blob of an archived TraceChunk row, verified against the row's
+    ``length`` and ``sha256`` (raises ``BlobIntegrityError`` on a mismatch)."""
+    from trajbus.producers.claimcheck import fetch_blob
+    from trajbus.schemas.models import BlobRef
+
+    ref = BlobRef(uri=row["blob_uri"], size=int(row["length"]), sha256=row["sha256"])
+    return fetch_blob(ref, endpoint_url)
 
 
 def sandbox_events(settings: Any, sandbox: str, episode: str | None = None

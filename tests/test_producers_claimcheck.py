@@ -72,3 +72,54 @@ async def test_emitter_claim_checks_large_chunks(kafka_broker, unique_name, tmp_
     assert ref.size == len(big) and ref.content_type == "image/png"
     assert fetch_blob(ref) == big
     assert large.record["sha256"] == ref.sha256 == hashlib.sha256(big).hexdigest()
+
+
+@pytest.mark.kafka
+async def test_archived_episode_trace_includes_claim_check_blobs(kafka_broker, unique_name,
+                                                                 tmp_path, capsys):
+    """A trace of an inline chunk, a claim-checked chunk and an inline tail, archived, is
+    rebuilt whole by `trajbus archive episode --trace-out` (the blob fetched and verified);
+    `--no-blobs` leaves the blob out and names it; a tampered blob is refused."""
+    import argparse
+
+    from trajbus.archive import cli as archive_cli
+    from trajbus.archive.archiver import run_archiver
+    from trajbus.archive.storage import open_store
+    from trajbus.producers.claimcheck import blob_key
+
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, claim_check_threshold=100_000)
+    s.archive.url = str(tmp_path / "archive")
+    s.archive.spool_dir = str(tmp_path / "spool")
+    await create_topics(s)
+    head, big, tail = b"head\n", os.urandom(300_000), b"tail\n"
+    async with SandboxEmitter("sb-cc", "task-a", settings=s) as em:
+        await em.start_episode("e")
+        await em.trace_chunk("e", head, file_offset=0)
+        await em.trace_chunk("e", big, file_offset=len(head), content_type="image/png")
+        await em.trace_chunk("e", tail, file_offset=len(head) + len(big))
+        await em.end_episode("e")
+    stats = await run_archiver(s, until_idle=True, dead_letter=lambda *a: None)
+    assert stats.rows >= 5
+
+    def cli(*argv: str) -> int:
+        parser = argparse.ArgumentParser(prog="trajbus")
+        archive_cli.register(parser.add_subparsers(dest="cmd"))
+        args = parser.parse_args(["archive", "--url", s.archive.url, "episode", "--task",
+                                  "task-a", "--sandbox", "sb-cc", "--episode", "e", *argv])
+        return int(args.func(args))
+
+    out = tmp_path / "e.trace"
+    assert cli("--trace-out", str(out)) == 0
+    assert out.read_bytes() == head + big + tail
+    assert cli("--trace-out", str(out), "--no-blobs") == 0
+    assert out.read_bytes() == head + b"\0" * len(big) + tail
+    assert "1 claim-check chunks left out" in capsys.readouterr().err
+    # tamper with the blob: the rebuilt trace is refused, not silently wrong
+    store = open_store(s.archive.url)
+    key = blob_key(hashlib.sha256(big).hexdigest())
+    store.put_bytes(key, b"x" * len(big))
+    from trajbus.producers import claimcheck
+
+    claimcheck._stores.clear()
+    assert cli("--trace-out", str(tmp_path / "bad.trace")) == 1
+    assert "cannot fetch a claim-check blob" in capsys.readouterr().err
