@@ -93,6 +93,9 @@ class ReplaySettings(BaseModel):
     # record of the largest size never forces a false gap, and the state record (raw bytes)
     # stays under the derived topics' limit (input limit + 1 MiB).
     max_buffered_bytes_per_episode: int | None = None
+    # A sandbox runs one episode at a time; more open at once than this is a broken or
+    # hostile sandbox: its further episodes are dead-lettered (0: no limit).
+    max_open_episodes_per_sandbox: int = 64
     max_segment_events: int = 1024
     max_segment_bytes: int = 4 * 1024 * 1024
     dedupe_window: int = 64  # recent seqs per episode whose content is compared

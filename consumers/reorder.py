@@ -54,10 +54,16 @@ Guarantees (per episode, keyed by ``(sandbox, episode)``):
   the episode that has stalled longest for the total bound) is force-closed early, exactly
   as on timeout (gap marker, stream continues; counter ``forced_gap_closes``). Nothing
   stalls and nothing is dropped silently.
+* **Per-sandbox limit.** A sandbox may have at most ``max_open_episodes_per_sandbox`` episodes
+  open at once (a sandbox runs one episode at a time; a flood of opened episodes is a broken
+  or hostile sandbox). An event that would open one more is a dead letter
+  (``too_many_open_episodes``, counter ``episodes_refused``) with its bytes; once the sandbox's
+  episodes end, new ones are admitted again.
 * **Bad input never raises**: it becomes a :class:`DeadLetterOut` with a stable
   ``reason_code`` (``invalid_seq``, ``missing_episode``, ``missing_sandbox``,
   ``invalid_event``, ``bad_start_seq``, ``missing_outcome``, ``seq_after_end``,
-  ``conflicting_end``, ``conflicting_duplicate``, ``internal_error``).
+  ``conflicting_end``, ``conflicting_duplicate``, ``too_many_open_episodes``,
+  ``internal_error``).
 * **Determinism.** Outputs depend only on the sequence of ``handle``/``tick`` calls. Segment
   event ids are uuid5 of ``sandbox/episode/segment_index``; :func:`segment_record` builds the
   ReplaySegment record, so re-running a log produces byte-identical segments.
@@ -341,6 +347,7 @@ class ReorderCore:
         self._ttl = opt(tombstone_ttl_ms, "tombstone_ttl_ms", 60 * self._timeout) or 0
         self._idle = opt(idle_timeout_ms, "idle_timeout_ms", None)
         self._grace = opt(recycle_grace_ms, "recycle_grace_ms", self._timeout) or 0
+        self._max_open = opt(None, "max_open_episodes_per_sandbox", None) or 0  # 0: no limit
 
         # False: only tick() moves the clock (processing time, ticks logged by the shell), so
         # a producer whose clock runs ahead cannot time out other episodes' gaps.
@@ -362,7 +369,7 @@ class ReorderCore:
                 "events", "segments", "duplicates", "duplicates_unverified", "conflicts",
                 "gaps", "gap_seqs", "forced_gap_closes", "late", "dead_letters",
                 "episodes_opened", "episodes_closed", "episodes_truncated", "recycled",
-                "idle_truncated", "ignored",
+                "idle_truncated", "ignored", "episodes_refused",
             ),
             0,
         )
@@ -607,6 +614,16 @@ class ReorderCore:
                 out.append(LateOut(ev.task, ev.sandbox, ev.episode, seq, ev.raw,
                                    "sandbox_recycled"))
                 return
+            if self._max_open and ev.episode is not None:
+                open_eps = self._by_sandbox.get(ev.sandbox, ())
+                n_open = len(open_eps) - (None in open_eps)
+                if n_open >= self._max_open:
+                    c["episodes_refused"] += 1
+                    out.append(self._dl(ev, "too_many_open_episodes", (
+                        f"sandbox {ev.sandbox} already has {n_open} open episodes; "
+                        f"{ev.episode} would exceed replay.max_open_episodes_per_sandbox="
+                        f"{self._max_open}")))
+                    return
             ep = _Ep(ev.task, ev.sandbox, ev.episode, self._clock, ev.event_time_ms, self._w)
             self._eps[ep.key] = ep
             self._by_sandbox.setdefault(ep.sandbox, set()).add(ep.episode)

@@ -144,7 +144,8 @@ async def test_recycled_sandbox_and_episode_flood_do_not_reach_the_trainer_as_va
         kafka_broker, unique_name, tmp_path: Path) -> None:
     """Events of a sandbox first seen after its RECYCLED grace go to the late topic (not to
     the trainer); one sandbox opening thousands of episodes neither crashes the worker nor
-    delays the other sandboxes' episodes."""
+    delays the other sandboxes' episodes: the first ``max_open_episodes_per_sandbox`` (64)
+    are passed on, every further one is a dead letter with its bytes."""
     settings = settings_for(kafka_broker.bootstrap, unique_name,
                             replay=ReplaySettings(gap_timeout_ms=1500))
     await ensure_base_topics(settings, ["task-a"])
@@ -185,8 +186,14 @@ async def test_recycled_sandbox_and_episode_flood_do_not_reach_the_trainer_as_va
     assert ("sb-recycled", "ep-ghost") not in view.events
     late = [r.value for r in await read_all(settings, [topics.late])]
     assert sorted(late) == sorted(ghost)
-    # the flood: each opened episode is a first segment, nothing is dropped silently
-    assert len(flood_keys) == 3000
+    # the flood: 64 episodes admitted (first segments), the rest dead-lettered, none silent
+    limit = settings.replay.max_open_episodes_per_sandbox
+    assert limit == 64
+    assert flood_keys == {("sb-flood", f"f-{i}") for i in range(limit)}
+    letters = [codec.decode(r.value).record for r in await read_all(settings,
+                                                                     [topics.deadletter])]
+    assert [(d["reason_code"], d["original_value"]) for d in letters] == [
+        ("too_many_open_episodes", v) for _, v in flood[limit:]]
 
 
 @pytest.mark.parametrize("margin", [

@@ -36,6 +36,7 @@ def core(**kw: Any) -> ReorderCore:
         gap_timeout_ms=kw.pop("gap_timeout_ms", TIMEOUT),
         max_buffered_per_episode=kw.pop("max_buffered_per_episode", 10_000),
         max_buffered_total=kw.pop("max_buffered_total", 2_000_000),
+        max_open_episodes_per_sandbox=kw.pop("max_open_episodes_per_sandbox", 64),
     )
     return ReorderCore(s, **kw)
 
@@ -600,3 +601,34 @@ def test_counters_expose_metrics() -> None:
                  "dead_letters", "episodes_open", "segments", "events"):
         assert name in k
     assert (k["duplicates"], k["buffered"], k["episodes_open"], k["segments"]) == (1, 1, 1, 1)
+
+
+def test_a_sandbox_opening_more_episodes_than_its_limit_gets_the_excess_dead_lettered() -> None:
+    c = core(max_open_episodes_per_sandbox=3)
+    out = run(c, [ev(0, ep=f"e{i}") for i in range(5)] + [ev(1, ep="e4")]
+              + [ev(0, ep="other", sb="sb2")])
+    assert {s.episode for s in segs(out) if s.sandbox == "sb1"} == {"e0", "e1", "e2"}
+    dead = [o for o in out if isinstance(o, DeadLetterOut)]
+    assert [(d.episode, d.seq, d.reason_code) for d in dead] == [
+        ("e3", 0, "too_many_open_episodes"), ("e4", 0, "too_many_open_episodes"),
+        ("e4", 1, "too_many_open_episodes")]
+    assert dead[0].raw == b"sb1|e3|0"  # the original bytes
+    assert "max_open_episodes_per_sandbox=3" in dead[0].reason
+    assert any(s.sandbox == "sb2" for s in segs(out))  # other sandboxes are not affected
+    assert c.counters()["episodes_refused"] == 3
+    # sandbox-level events (episode None) do not count, and an ended episode frees a slot
+    out = run(c, [recycled(), end(1, ep="e0"), ev(0, ep="e5")])
+    assert not [o for o in out if isinstance(o, DeadLetterOut)]
+    assert "e5" in {s.episode for s in segs(out)}
+
+
+def test_the_open_episode_limit_survives_a_restore_from_the_changelog() -> None:
+    c = core(max_open_episodes_per_sandbox=2)
+    run(c, [ev(0, ep="e0"), ev(0, ep="e1")])
+    restored = core(max_open_episodes_per_sandbox=2)
+    for key, blob in c.take_dirty().items():
+        if blob is not None:
+            restored.restore(key, blob)
+    out = run(restored, [ev(0, ep="e2")])
+    assert [o.reason_code for o in out if isinstance(o, DeadLetterOut)] == [
+        "too_many_open_episodes"]
