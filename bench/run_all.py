@@ -5,7 +5,8 @@
 Starts its own Kafka broker (free port, temporary data directory) for the benchmarks that need
 one, so peers and trajbus are measured side by side on the same broker in the same run. Each
 benchmark writes a JSON file to bench/results/; this script turns them into BENCHMARKS.md with
-the machine, the date and the exact commands.
+the machine, the date and the exact commands, followed by bench/ANALYSIS.md (the profiles
+behind the figures and the limits of the missed targets, written by hand) and every metric.
 """
 
 from __future__ import annotations
@@ -149,6 +150,9 @@ def write_markdown(results: dict[str, Any], quick: bool) -> str:
         for target_rows in summary:
             lines += [f"| {' | '.join(row)} |" for row in target_rows]
         lines.append("")
+    analysis = ROOT / "bench" / "ANALYSIS.md"
+    if analysis.exists():  # the profiles and the limits, kept by hand next to the benchmarks
+        lines += [analysis.read_text().rstrip(), ""]
     for name, data in results.items():
         if name.startswith("_"):
             continue
