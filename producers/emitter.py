@@ -716,12 +716,18 @@ class SandboxEmitter:
         red = self.redactor.redact_value(value)
         try:
             full = self._canon_full.json_value(red)
-            digest = self._canon.hash(full) if self._canon.ignore else None
+            # ``full`` is canonical text: strip_canonical removes the ignored members without
+            # a re-parse (it falls back to one when in doubt) -- same text as hash(full).
+            hashed = self._canon.strip_canonical(full) if self._canon.ignore else full
         except CanonicalError:
             full = self._canon_full.json_value(repr(red))
-            digest = None
-        h = digest or hashlib.sha256(full.encode("utf-8", "surrogatepass")).hexdigest()
-        small = full if len(full.encode("utf-8", "surrogatepass")) <= CANONICAL_MAX_BYTES else None
+            hashed = full
+        data = full.encode("utf-8", "surrogatepass")
+        if hashed is not full:
+            h = hashlib.sha256(hashed.encode("utf-8", "surrogatepass")).hexdigest()
+        else:
+            h = hashlib.sha256(data).hexdigest()
+        small = full if len(data) <= CANONICAL_MAX_BYTES else None
         return h, small, _summary(full)
 
     async def tool_call(self, episode: str, tool: str, args: Any, *, call_id: str | None = None,

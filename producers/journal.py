@@ -40,6 +40,8 @@ from typing import Any
 
 _FRAME = struct.Struct("<II")
 _HLEN = struct.Struct("<I")
+# json.dumps(h, separators=(",", ":")) builds a new encoder per call; same output, built once.
+_HEADER_JSON = json.JSONEncoder(separators=(",", ":")).encode
 SEG_PREFIX = "seg-"
 SEG_SUFFIX = ".log"
 
@@ -194,9 +196,10 @@ class Journal:
 
     @staticmethod
     def _frame(header: dict[str, Any], body: bytes) -> bytes:
-        hj = json.dumps(header, separators=(",", ":")).encode()
-        payload = _HLEN.pack(len(hj)) + hj + body
-        return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+        hj = _HEADER_JSON(header).encode()
+        hlen = _HLEN.pack(len(hj))
+        crc = zlib.crc32(body, zlib.crc32(hj, zlib.crc32(hlen)))
+        return b"".join((_FRAME.pack(len(hlen) + len(hj) + len(body), crc), hlen, hj, body))
 
     def needs_roll(self, incoming: int) -> bool:
         return self._size + incoming > self.segment_bytes and self._size > 4096

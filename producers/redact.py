@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,34 @@ def _mask(rule: str, length: int) -> str:
     return "#" * length
 
 
+def _hint_filter(hints: Iterable[str], as_bytes: bool) -> Callable[[Any], bool]:
+    """A prefilter for short inputs: False only when no hint (of any rule) can occur in the
+    text or in its lower-cased form, so no rule can run. ASCII hints are searched at once, by
+    one case-sensitive alternation over the lower-cased input (a hint that occurs in the text
+    occurs lower-cased in the lower-cased text; a hint containing another is dropped); the
+    rest (non-ASCII env values, where lower-casing may depend on context) by plain substring
+    checks on the input and on its lower-cased form."""
+    ascii_: set[str] = set()
+    other: list[Any] = []
+    for h in hints:
+        if h.isascii():
+            ascii_.add(h.lower())
+        else:
+            other.append(h.encode() if as_bytes else h)
+    kept = sorted(h for h in ascii_ if not any(o != h and o in h for o in ascii_))
+    alt = "|".join(re.escape(h) for h in kept)
+    search = (re.compile(alt.encode()) if as_bytes else re.compile(alt)).search if kept else None
+    others = tuple(other)
+
+    def hinted(data: Any) -> bool:
+        low = data.lower()
+        if search is not None and search(low) is not None:
+            return True
+        return any(h in data or h in low for h in others)
+
+    return hinted
+
+
 @dataclass
 class Redactor:
     """Redacts one sandbox's secrets. Build with :meth:`for_env`."""
@@ -94,10 +122,11 @@ class Redactor:
         self.env_secrets.sort(key=lambda nv: -len(nv[1]))
         rules = [Rule(f"env:{n}", re.escape(v), (v,)) for n, v in self.env_secrets] + RULES
         self._text_rules = [(r, re.compile(r.pattern), r.hints) for r in rules]
-        # Short inputs: one case-insensitive scan for any hint decides whether to look closer.
-        alt = "|".join(re.escape(h) for r in rules for h in r.hints)
-        self._text_hint = re.compile(alt, re.IGNORECASE)
-        self._bytes_hint = re.compile(alt.encode(), re.IGNORECASE)
+        # Short inputs: one scan for any hint decides whether to look closer.
+        all_hints = [h for r in rules for h in r.hints]
+        self._text_hinted = _hint_filter(all_hints, as_bytes=False)
+        self._bytes_hinted = _hint_filter(all_hints, as_bytes=True)
+        self._key_sensitive: dict[str, bool] = {}  # dict key -> SENSITIVE_KEY_RE matches
         self._byte_rules = [
             (r, re.compile(r.pattern.encode()), tuple(h.encode() for h in r.hints)) for r in rules
         ]
@@ -105,10 +134,9 @@ class Redactor:
     def _spans(self, data: Any, rules: list[tuple[Rule, Any, tuple[Any, ...]]]
                ) -> list[tuple[int, int, str]]:
         """Non-overlapping (start, end, rule) spans to mask, in order."""
-        if len(data) <= 4096:
-            hint = self._text_hint if isinstance(data, str) else self._bytes_hint
-            if hint.search(data) is None:
-                return []
+        if len(data) <= 4096 and not (
+                self._text_hinted if isinstance(data, str) else self._bytes_hinted)(data):
+            return []
         folded = None
         found: list[tuple[int, int, str]] = []
         for rule, pattern, hints in rules:
@@ -179,9 +207,49 @@ class Redactor:
         return bytes(buf)
 
     # -- structured values --------------------------------------------------------------------
+    def _collect(self, value: Any, out: list[str]) -> bool:
+        """Append every string (keys too) of a plain JSON value -- dicts, lists, str, int,
+        float, bool, None -- to ``out``. False when it holds anything else (bytes, tuples,
+        other mappings...) or a key that looks sensitive: then the full walk decides."""
+        t = type(value)
+        if t is str:
+            out.append(value)
+            return True
+        if t is dict:
+            sensitive = self._key_sensitive
+            for k, v in value.items():
+                if type(k) is not str:
+                    return False
+                hit = sensitive.get(k)
+                if hit is None:
+                    hit = SENSITIVE_KEY_RE.match(k) is not None
+                    if len(sensitive) < 4096:
+                        sensitive[k] = hit
+                if hit:
+                    return False
+                out.append(k)
+                if not self._collect(v, out):
+                    return False
+            return True
+        if t is list:
+            return all(self._collect(v, out) for v in value)
+        return t is int or t is float or t is bool or value is None
+
     def redact_value(self, value: Any) -> Any:
         """Redact strings anywhere inside JSON-like ``value`` (dicts, lists, tuples, str, bytes);
-        a dict entry whose key looks sensitive (``password``, ``token``...) is replaced whole."""
+        a dict entry whose key looks sensitive (``password``, ``token``...) is replaced whole.
+        A plain JSON value (dicts, lists, scalars) with nothing to redact is returned as is
+        (not copied)."""
+        if type(value) is dict or type(value) is list:
+            # Fast path: one hint scan over all its strings joined. Joining keeps every
+            # substring of every string, so no hint -> no rule can match any of them.
+            strings: list[str] = []
+            if self._collect(value, strings) and (
+                    not strings or not self._text_hinted("\x00".join(strings))):
+                return value
+        return self._redact_value(value)
+
+    def _redact_value(self, value: Any) -> Any:
         if isinstance(value, str):
             return self.redact_text(value)
         if isinstance(value, bytes | bytearray):
@@ -194,10 +262,10 @@ class Redactor:
                     self.counts["sensitive_key"] += 1
                     out[key] = "[REDACTED:sensitive_key]"
                 else:
-                    out[key] = self.redact_value(v)
+                    out[key] = self._redact_value(v)
             return out
         if isinstance(value, list | tuple):
-            return [self.redact_value(v) for v in value]
+            return [self._redact_value(v) for v in value]
         return value
 
     @property
