@@ -67,7 +67,6 @@ from trajbus.schemas.models import (
     EpisodeOutcome,
     LifecycleState,
     ToolStatus,
-    new_event_id,
     now_ms,
 )
 
@@ -172,6 +171,15 @@ def _summary(text: str, limit: int = SUMMARY_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _new_event_id() -> str:
+    """``uuid.uuid4().hex`` without building a UUID object: 16 random bytes with the version
+    (4) and RFC 4122 variant bits set, as 32 lower-case hex digits."""
+    b = bytearray(os.urandom(16))
+    b[6] = (b[6] & 0x0F) | 0x40
+    b[8] = (b[8] & 0x3F) | 0x80
+    return b.hex()
+
+
 def _default_producer_id(sandbox: str) -> str:
     return f"{sandbox}@{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
 
@@ -225,7 +233,7 @@ class SandboxEmitter:
         self._shuffle = shuffle
         self._codec = codec or default_codec()
         self._key = sandbox.encode()
-        self._new_id = id_factory or new_event_id
+        self._new_id = id_factory or _new_event_id
         self._segment_bytes = segment_bytes
 
         # state (rebuilt from the journal)

@@ -206,3 +206,15 @@ def test_sync_wrapper(kafka_broker, unique_name, tmp_path):
     _LoopThread.get().run(close_producer())
     seen = asyncio.run(read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= 5))
     assert check_streams(seen).problems() == []
+
+
+def test_event_ids_are_uuid4_hex() -> None:
+    import uuid
+
+    from trajbus.producers.emitter import _new_event_id
+
+    ids = {_new_event_id() for _ in range(2000)}
+    assert len(ids) == 2000
+    for x in ids:
+        u = uuid.UUID(hex=x)
+        assert u.hex == x and u.version == 4 and u.variant == uuid.RFC_4122
