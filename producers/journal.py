@@ -42,6 +42,23 @@ _FRAME = struct.Struct("<II")
 _HLEN = struct.Struct("<I")
 # json.dumps(h, separators=(",", ":")) builds a new encoder per call; same output, built once.
 _HEADER_JSON = json.JSONEncoder(separators=(",", ":")).encode
+_E_KEYS = ("t", "rid", "s", "q", "id", "k", "tp")
+_json_str: Any = getattr(json.encoder, "c_encode_basestring_ascii", None) or (
+    json.encoder.py_encode_basestring_ascii)
+
+
+def _header_json(h: dict[str, Any]) -> str:
+    """``json.dumps(h, separators=(",", ":"))``, the same text; a plain event header (the
+    emitter's keys in its order, ints and strs) is formatted directly, without building an
+    encoder (what json does on every call)."""
+    if len(h) == 7 and tuple(h) == _E_KEYS:
+        t, rid, st, q, eid, k, tp = h.values()
+        if (type(rid) is int and type(q) is int and type(t) is str and type(st) is str
+                and type(eid) is str and type(k) is str and type(tp) is str):
+            return (f'{{"t":{_json_str(t)},"rid":{int.__repr__(rid)},"s":{_json_str(st)},'
+                    f'"q":{int.__repr__(q)},"id":{_json_str(eid)},"k":{_json_str(k)},'
+                    f'"tp":{_json_str(tp)}}}')
+    return _HEADER_JSON(h)
 SEG_PREFIX = "seg-"
 SEG_SUFFIX = ".log"
 
@@ -196,7 +213,7 @@ class Journal:
 
     @staticmethod
     def _frame(header: dict[str, Any], body: bytes) -> bytes:
-        hj = _HEADER_JSON(header).encode()
+        hj = _header_json(header).encode()
         hlen = _HLEN.pack(len(hj))
         crc = zlib.crc32(body, zlib.crc32(hj, zlib.crc32(hlen)))
         return b"".join((_FRAME.pack(len(hlen) + len(hj) + len(body), crc), hlen, hj, body))

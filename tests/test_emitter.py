@@ -218,3 +218,43 @@ def test_event_ids_are_uuid4_hex() -> None:
     for x in ids:
         u = uuid.UUID(hex=x)
         assert u.hex == x and u.version == 4 and u.variant == uuid.RFC_4122
+
+
+def test_cached_partitioner_picks_the_default_partitioners_partition() -> None:
+    import random
+
+    from aiokafka.partitioner import DefaultPartitioner
+
+    from trajbus.bus.producer import CachedPartitioner, producer_options
+
+    cached, default = CachedPartitioner(), DefaultPartitioner()
+    rng = random.Random(3)
+    for _ in range(5000):
+        key = rng.randbytes(rng.randint(0, 40))
+        parts = list(range(rng.randint(1, 64)))
+        assert cached(key, parts, parts) == default(key, parts, parts) == cached(key, parts, parts)
+    assert cached(None, [0, 1, 2], [1]) == 1
+    assert isinstance(producer_options(make_settings("127.0.0.1:9092", "p").kafka)["partitioner"],
+                      CachedPartitioner)
+
+
+def test_journal_header_text_is_what_json_dumps_writes() -> None:
+    """The journal's direct formatting of event headers is byte-identical to json.dumps (so
+    journals written before and after read the same)."""
+    import json
+    import random
+
+    from trajbus.producers.journal import _header_json
+
+    rng = random.Random(5)
+    strs = ["E", "e", "é", "\u2028", 'q"u', "b\\s", "\x00", "\ud800", "ep-1", "x" * 50, "😀"]
+    for _ in range(20000):
+        h: dict[str, object] = {
+            "t": rng.choice(strs), "rid": rng.choice([0, 1, -5, 2**70, True]),
+            "s": rng.choice(strs), "q": rng.choice([0, 7, 2**40, 1.5]), "id": rng.choice(strs),
+            "k": rng.choice(strs), "tp": rng.choice(strs)}
+        if rng.random() < 0.1:
+            h["open"] = True
+        if rng.random() < 0.1:
+            h = dict(reversed(list(h.items())))
+        assert _header_json(h) == json.dumps(h, separators=(",", ":")), h
