@@ -32,7 +32,7 @@ from support import (
 )
 
 from trajbus.bus.admin import ensure_base_topics
-from trajbus.bus.settings import Settings, TopicSettings
+from trajbus.bus.settings import ReplaySettings, Settings, TopicSettings
 from trajbus.bus.topics import Topics
 from trajbus.consumers.faust_app import FaustEngine, UnsupportedProcessor, build_engine
 from trajbus.consumers.processors import scheduler_spec, watchdog_spec
@@ -202,8 +202,11 @@ async def test_faust_worker_killed_mid_stream_resumes_from_its_table(
         kafka_broker, unique_name: str, tmp_path: Path) -> None:
     """SIGKILL mid-stream, restart: the restarted worker rebuilds its adapters from the Table's
     changelog; at-least-once may republish segments, the trainer still sees each episode once
-    and complete."""
-    settings = settings_for(kafka_broker.bootstrap, unique_name)
+    and complete. The gap timeout is long: an episode whose first half and second half of
+    events straddle the kill must wait for them (what this test is about), not have its
+    missing seqs declared a gap because the box was slow between the two produce calls."""
+    settings = settings_for(kafka_broker.bootstrap, unique_name,
+                            replay=ReplaySettings(gap_timeout_ms=120_000))
     await ensure_base_topics(settings, ["task-a"])
     topics = Topics(settings)
     eps = make_episodes(120, seed=12)
