@@ -52,7 +52,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trajbus.bus.settings import KafkaSettings, Settings, TopicSettings  # noqa: E402
+from trajbus.bus.settings import (  # noqa: E402
+    KafkaSettings,
+    ProducerSideSettings,
+    Settings,
+    TopicSettings,
+)
 
 TARGET_EVENTS_PER_S = 30_000
 TARGET_P99_MS = 100.0
@@ -61,8 +66,10 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def settings_for(bootstrap: str, prefix: str, partitions: int) -> Settings:
+    # queue_full_timeout_s: backpressure at the max rate, not QueueFullError on a loaded box
     return Settings(kafka=KafkaSettings(bootstrap_servers=bootstrap),
-                    topics=TopicSettings(prefix=prefix, partitions=partitions))
+                    topics=TopicSettings(prefix=prefix, partitions=partitions),
+                    producer=ProducerSideSettings(queue_full_timeout_s=300.0))
 
 
 def proc_cpu_s(pid: int) -> float:

@@ -186,8 +186,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from trajbus.producers.testing import create_topics, make_settings
 
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    # Backpressure, not failure: on a loaded box acks can stall for seconds and the default
+    # 5 s queue-full timeout (right for a sandbox) would abort a throughput run.
     settings = make_settings(args.bootstrap, prefix, partitions=args.partitions,
-                             queue_max_events=args.queue)
+                             queue_max_events=args.queue, queue_full_timeout_s=300.0)
     topics = Topics(settings)
     await create_topics(settings, [topics.sandbox_events, topics.trace_chunks])
     results: dict[str, Any] = {"bootstrap": args.bootstrap, "cpus": os.cpu_count()}
