@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 async def _emitter_run(settings: Any, topics: Any, kind: str, count: int, sandboxes: int,
-                       payload: int, durability: str) -> dict[str, Any]:
+                       payload: int, durability: str,
+                       barrier: Any = None) -> dict[str, Any]:
     from trajbus.producers.emitter import SandboxEmitter
 
     state = Path(tempfile.mkdtemp(prefix=f"bench-{kind}-"))
@@ -63,6 +64,8 @@ async def _emitter_run(settings: Any, topics: Any, kind: str, count: int, sandbo
 
     # one warm-up event each (connections, metadata)
     assert all([await em.flush(30) for em in ems])
+    if barrier is not None:  # several processes: start timing together
+        await barrier()
     t0 = time.perf_counter()
     await asyncio.gather(*(drive(em) for em in ems))
     ok = all([await em.flush(300) for em in ems])
@@ -81,6 +84,58 @@ async def _emitter_run(settings: Any, topics: Any, kind: str, count: int, sandbo
     return {"records": n, "record_bytes": value_bytes, "seconds": elapsed, "all_acked": ok,
             "records_per_s": n / elapsed, "mb_per_s": n * value_bytes / elapsed / 1e6,
             "sandboxes": sandboxes, "durability": durability}
+
+
+async def _child(args: argparse.Namespace) -> None:
+    """One emitting process of ``--processes``: warm up, say ready, wait for go, run."""
+    from trajbus.bus.producer import close_producer
+    from trajbus.bus.topics import Topics
+    from trajbus.producers.testing import make_settings
+
+    settings = make_settings(args.bootstrap, args.child_prefix, partitions=args.partitions,
+                             queue_max_events=args.queue, queue_full_timeout_s=300.0)
+
+    async def barrier() -> None:
+        print("ready", flush=True)
+        await asyncio.to_thread(sys.stdin.readline)
+
+    res = await _emitter_run(settings, Topics(settings), f"small-p{args.child_index}",
+                             args.small_count // args.processes, args.sandboxes,
+                             args.small_payload, args.durability, barrier)
+    await close_producer()
+    print(json.dumps(res), flush=True)
+
+
+def _emitter_processes(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
+    """The small-event run split over ``args.processes`` emitter processes started together
+    (sandboxes run one emitter each in production: one process per core is the machine's
+    capacity, as ProducerPerformance uses both cores with its two threads)."""
+    procs = []
+    for i in range(args.processes):
+        cmd = [sys.executable, __file__, "--bootstrap", args.bootstrap, "--child-prefix", prefix,
+               "--child-index", str(i), "--processes", str(args.processes),
+               "--small-count", str(args.small_count), "--small-payload",
+               str(args.small_payload), "--sandboxes", str(args.sandboxes), "--partitions",
+               str(args.partitions), "--queue", str(args.queue), "--durability",
+               args.durability]
+        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      text=True))
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    runs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=900)
+        runs.append(json.loads(out.strip().splitlines()[-1]))
+    n = sum(r["records"] for r in runs)
+    elapsed = max(r["seconds"] for r in runs)
+    return {"processes": args.processes, "records": n, "record_bytes": runs[0]["record_bytes"],
+            "seconds": elapsed, "records_per_s": n / elapsed,
+            "all_acked": all(r["all_acked"] for r in runs),
+            "sandboxes": args.sandboxes * args.processes}
 
 
 def _producer_perf(bootstrap: str, topic: str, count: int, size: int,
@@ -175,6 +230,11 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         {"measure": "emitter / ProducerPerformance records/s (small events)",
          "result": round(small, 3), "target": ">= 0.5", "met": small >= 0.5},
+        *([{"measure": "emitters, one process per core / ProducerPerformance records/s "
+                        "(small events)",
+            "result": round(res["ratio_small_records_per_s_processes"], 3),
+            "target": ">= 0.5", "met": res["ratio_small_records_per_s_processes"] >= 0.5}]
+          if "ratio_small_records_per_s_processes" in res else []),
         {"measure": "emitter / ProducerPerformance MB/s (256 KiB chunks)",
          "result": round(large, 3), "target": ">= 0.8", "met": large >= 0.8},
     ]
@@ -197,6 +257,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                args.small_payload, args.durability)
     large = await _emitter_run(settings, topics, "large", args.large_count, args.sandboxes,
                                256 * 1024, args.durability)
+    multi = None
+    if args.processes > 1:
+        multi = await asyncio.to_thread(_emitter_processes, args, prefix)
     # Context for the 256 KiB goal: the same run with the journal written but not fsynced
     # (durability="os"), to show what the write-ahead journal's fsync costs at this size.
     large_os = None
@@ -205,6 +268,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                       args.sandboxes, 256 * 1024, "os")
     await close_producer()
     results["emitter_small"] = small
+    if multi is not None:
+        results[f"emitter_small_{args.processes}_processes"] = multi
     results["emitter_256k"] = large
     if large_os is not None:
         results["emitter_256k_durability_os"] = large_os
@@ -218,6 +283,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     results["ratio_small_records_per_s"] = (small["records_per_s"]
                                             / results["java_small"]["records_per_s"])
     results["ratio_256k_mb_per_s"] = large["mb_per_s"] / results["java_256k"]["mb_per_s"]
+    if multi is not None:
+        results["ratio_small_records_per_s_processes"] = (
+            multi["records_per_s"] / results["java_small"]["records_per_s"])
     if large_os is not None:
         results["ratio_256k_mb_per_s_durability_os"] = (
             large_os["mb_per_s"] / results["java_256k"]["mb_per_s"])
@@ -252,8 +320,16 @@ def main() -> int:
     ap.add_argument("--partitions", type=int, default=6)
     ap.add_argument("--queue", type=int, default=10_000)
     ap.add_argument("--durability", choices=["fsync", "os"], default="fsync")
+    ap.add_argument("--processes", type=int, default=os.cpu_count() or 1,
+                    help="also run the small events from this many emitter processes at once "
+                    "(default: one per core)")
+    ap.add_argument("--child-prefix", help=argparse.SUPPRESS)
+    ap.add_argument("--child-index", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    if args.child_prefix:
+        asyncio.run(_child(args))
+        return 0
     res = asyncio.run(main_async(args))
     s, j = res["emitter_small"], res["java_small"]
     ls, lj = res["emitter_256k"], res["java_256k"]
@@ -263,6 +339,10 @@ def main() -> int:
     print(f"256 KiB: emitter {ls['mb_per_s']:.1f} MB/s ({ls['records_per_s']:.0f} rec/s) vs "
           f"ProducerPerformance {lj['mb_per_s']:.1f} MB/s -> ratio "
           f"{res['ratio_256k_mb_per_s']:.2f} (goal >= 0.8)")
+    if "ratio_small_records_per_s_processes" in res:
+        m = res[f"emitter_small_{args.processes}_processes"]
+        print(f"small, {args.processes} emitter processes: {m['records_per_s']:,.0f} rec/s -> "
+              f"ratio {res['ratio_small_records_per_s_processes']:.2f}")
     raw = res["aiokafka_raw_small"]
     print(f"bare aiokafka, small: {raw['records_per_s']:,.0f} rec/s")
     cs, cl = res["confluent_small"], res["confluent_256k"]
