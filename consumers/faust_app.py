@@ -166,7 +166,7 @@ class FaustEngine:
             return
         await ensure_topics(self.settings, [TopicSpec(
             topic, self.settings.topics.partitions, "derived output", "episode",
-            max_message_bytes=self.settings.topics.max_message_bytes)])
+            max_message_bytes=self.topics.derived_max_bytes)])
         self._known_topics.add(topic)
 
     # -- state ----------------------------------------------------------------------------
