@@ -27,8 +27,7 @@ class KafkaSettings(BaseModel):
     # lz4. aiokafka compresses lz4 at level 9 (HC): zstd-3 measured ~10x faster on
     # incompressible trace bytes, 2x on logs, with a better ratio (bench/ANALYSIS.md), but is
     # not the default: aiokafka fetches with FetchRequest v4, which cannot read topics whose
-    # broker-side compression.type is zstd (aio-libs/aiokafka#1112), and the faust engine's
-    # SIGKILL test lost episodes with zstd in 2 of 4 runs (0 of 4 with lz4), not explained yet.
+    # broker-side compression.type is zstd (aio-libs/aiokafka#1112).
     compression_type: Literal["gzip", "lz4", "zstd", "snappy"] | None = "lz4"
     linger_ms: int = 10
     max_batch_size: int = 1_048_576

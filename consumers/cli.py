@@ -34,13 +34,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "restarted worker fences its previous incarnation (default w0)")
     w.add_argument("--until-idle", type=float, default=None, metavar="SECONDS",
                    help="exit after no input for this long (for batch runs and tests)")
-    w.add_argument("--engine", choices=("aiokafka", "faust"), default="aiokafka",
-                   help="aiokafka (default): transactional, nothing twice after a crash; "
-                   "faust: faust-streaming agents over the same adapters, at-least-once "
-                   "(reorder only; see consumers/faust_app.py)")
     w.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port")
     w.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    # Removed option, kept only to explain itself to scripts that still pass it.
+    w.add_argument("--engine", default=None, help=argparse.SUPPRESS)
     w.set_defaults(func=_worker)
 
     r = sub.add_parser("replay", help="trainer-side replay: tail a task's replay topic",
@@ -104,32 +102,19 @@ async def run_workers(settings: Settings, names: list[str], worker_id: str,
 def _worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.engine not in (None, "aiokafka"):
+        print(f"error: --engine {args.engine} is no longer available: the faust engine was "
+              "removed because it could lose events after a SIGKILL (README, 'Design'). "
+              "Drop the option; the transactional worker is the only engine.", file=sys.stderr)
+        return 2
     names = [n.strip() for n in args.processors.split(",") if n.strip()]
     if args.metrics_port:
         from trajbus.consumers.metrics import start_http_server
 
         start_http_server(args.metrics_port, addr="127.0.0.1")
-    if args.engine == "faust":
-        return _faust_worker(args, names)
     counts = asyncio.run(run_workers(get_settings(), names, args.worker_id, args.until_idle))
     print(json.dumps({"processed": counts}), file=sys.stderr)
     return 0
-
-
-def _faust_worker(args: argparse.Namespace, names: list[str]) -> int:
-    from trajbus.consumers.faust_app import UnsupportedProcessor, build_engine
-
-    if args.until_idle is not None:
-        print("--until-idle is not supported with --engine faust", file=sys.stderr)
-        return 2
-    try:
-        engine = build_engine(get_settings(), names, args.worker_id)
-    except (UnsupportedProcessor, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    code = engine.run(verbose=args.verbose)
-    print(json.dumps({"processed": {engine.spec.name: engine.processed}}), file=sys.stderr)
-    return code
 
 
 def _replay_tail(args: argparse.Namespace) -> int:

@@ -18,8 +18,9 @@ Time: cores never read the clock. Each runner's ticker publishes :class:`Tick` e
 input partitions, so ticks are part of the log and an offline replay makes the same decisions.
 
 Why not a faust agent: faust-streaming's ``exactly_once`` logs and swallows transaction errors
-(STACK-NOTES.md, faust #517/#177), and its timers cannot be driven by a test. This loop is ~200
-lines of explicit aiokafka with the same table-plus-changelog recovery model.
+(STACK-NOTES.md, faust #517/#177), its timers cannot be driven by a test, and an earlier faust
+engine lost events after a SIGKILL (README, "Design"). This loop is explicit aiokafka with the
+same table-plus-changelog recovery model.
 """
 
 from __future__ import annotations
