@@ -3,7 +3,9 @@
 - ``kafka_broker`` (session): a real single-node Kafka broker on a free port, data under
   pytest's tmp dir, stopped at the end of the session. Set ``TRAJBUS_TEST_BOOTSTRAP`` to
   ``host:port[,host:port...]`` to run against an existing cluster instead (then
-  ``kafka_broker.broker`` is None and crash tests skip).
+  ``kafka_broker.broker`` is None and crash tests skip). When no broker can run here (no
+  Java, Maven or jars) the broker tests skip locally, but FAIL when ``CI`` is set to a true
+  value (``CI=true``, ``CI=1``; ``.ci/run`` sets it): CI must not go green without them.
 - ``unique_name`` (function): a fresh topic/group name, ``t-<test name>-<8 hex>``.
 - ``s3_server`` (session): moto's S3-compatible server on 127.0.0.1; yields the endpoint URL
   and sets dummy AWS credentials for the session (restored afterwards).
@@ -18,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from support import broker_unavailable
 
 from trajbus.infra.broker import KafkaSetupError, LocalBroker, free_port
 
@@ -47,10 +50,13 @@ def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaHand
         port=free_port(),
         controller_port=free_port(),
     )
+    problem: KafkaSetupError | None = None
     try:
         broker.start(timeout=90)
-    except KafkaSetupError as exc:  # no java/mvn on this machine: an environment problem
-        pytest.skip(f"cannot run a local Kafka broker: {exc}")
+    except KafkaSetupError as exc:  # no java/mvn/jars: skip locally, fail in CI
+        problem = exc
+    if problem is not None:  # outside the except block: no chained traceback in the report
+        broker_unavailable(problem)
     try:
         yield KafkaHandle(bootstrap=broker.bootstrap, broker=broker)
     finally:

@@ -40,15 +40,18 @@ from trajbus.infra.broker import KafkaSetupError, LocalBroker, free_port
 @contextlib.contextmanager
 def own_broker(data_dir: Path, **kwargs: Any) -> Iterator[LocalBroker]:
     """A LocalBroker of this test alone (free ports), stopped (or killed) at the end."""
-    import pytest
-
     broker = LocalBroker(data_dir=data_dir, port=kwargs.pop("port", None) or free_port(),
                          controller_port=kwargs.pop("controller_port", None) or free_port(),
                          **kwargs)
+    problem: KafkaSetupError | None = None
     try:
         broker.start(timeout=120)
-    except KafkaSetupError as exc:
-        pytest.skip(f"cannot run a local Kafka broker: {exc}")
+    except KafkaSetupError as exc:  # skip locally, fail in CI (as the kafka_broker fixture)
+        problem = exc
+    if problem is not None:
+        from support import broker_unavailable
+
+        broker_unavailable(problem)
     try:
         yield broker
     finally:

@@ -10,9 +10,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 from aiokafka import AIOKafkaConsumer
 
@@ -171,3 +172,33 @@ async def consume_until(settings: Settings, topic: str, done: Callable[[list[byt
     finally:
         await consumer.stop()
     return values
+
+
+# -- CI: a missing broker is a failure, not a skip ---------------------------------------------
+_FALSE_WORDS = frozenset({"", "0", "false", "no", "off", "n", "f"})
+
+
+def ci_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this run is a CI run: ``CI`` set to anything but an empty/false word
+    (``CI=true``, ``CI=1``, ``CI=yes`` are CI; unset, ``CI=``, ``CI=false``, ``CI=0`` are not)."""
+    value = (os.environ if env is None else env).get("CI")
+    return value is not None and value.strip().lower() not in _FALSE_WORDS
+
+
+def broker_unavailable(exc: BaseException) -> NoReturn:
+    """No local Kafka broker can run here (``KafkaSetupError``: no Java, no Maven, no jars).
+
+    Locally that skips the test with the reason. In CI (:func:`ci_enabled`) it fails it: a CI
+    machine without Java must not go green with every broker test skipped."""
+    import pytest
+
+    what = f"cannot run a local Kafka broker: {exc}"
+    if ci_enabled():
+        pytest.fail(
+            f"{what}\nCI={os.environ.get('CI')!r} is set, so the Kafka tests must run, not skip: "
+            "make this machine able to run the broker (a JDK 17+ and Apache Maven 3.6+, e.g. "
+            "`apt-get install -y openjdk-17-jdk-headless maven`, or TRAJBUS_KAFKA_LIB_DIR = a "
+            "directory of Kafka 4.x jars), or set TRAJBUS_TEST_BOOTSTRAP=host:port to test "
+            "against an existing broker. Unset CI to skip these tests instead.",
+            pytrace=False)
+    pytest.skip(f"{what} (set CI=true to make this a failure)")
