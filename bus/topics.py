@@ -58,15 +58,19 @@ class Topics:
         self.deadletter = f"{p}.deadletter"
         self.late = f"{p}.late"
         self.schemas = f"{p}.schemas"
+        # The processors' timeouts count from a record's log time (its Kafka timestamp): on
+        # the topics the fleet writes, that is the broker's append time, so a sandbox whose
+        # clock is off cannot move it.
+        append_time = {"message.timestamp.type": "LogAppendTime"}
         self._specs = [
             TopicSpec(self.sandbox_events, n, "lifecycle, heartbeats, probes, tool calls and "
-                      "results, episode start/end, drained", "sandbox"),
+                      "results, episode start/end, drained", "sandbox", configs=append_time),
             TopicSpec(self.trace_chunks, n, "trace chunks (inline bytes or claim-check refs)",
-                      "sandbox", max_message_bytes=big),
+                      "sandbox", max_message_bytes=big, configs=append_time),
             TopicSpec(self.control, 1, "sandbox requests, trainer releases, ticks: the "
-                      "scheduler's single ordered input", "tenant"),
+                      "scheduler's single ordered input", "tenant", configs=append_time),
             TopicSpec(self.nodes, 1, "node resource reports (~every 500 ms)", "node",
-                      retention_ms=DAY_MS),
+                      retention_ms=DAY_MS, configs=append_time),
             TopicSpec(self.decisions, n, "scheduling decisions with reasons", "sandbox"),
             TopicSpec(self.alerts, n, "watchdog alerts with evidence", "sandbox"),
             TopicSpec(self.deadletter, n, "input a processor could not accept, with reason "

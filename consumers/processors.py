@@ -78,7 +78,11 @@ class ReorderProcessor(_Adapter):
         # Gap timeouts count processing time, not producers' clocks: the core's clock is the
         # lowest tick seen across the input topics (a watermark). Events of a sandbox arrive
         # on two topics (events and trace chunks); a gap can only close once *both* topics
-        # have been read past the gap's deadline, so a lagging topic never causes a false gap.
+        # have been read past its deadline. The deadline counts from the log time of the
+        # record that opened the gap (InEvent.log_time_ms), not from that clock: the clock
+        # lags the leading topic (and a restored one lags by the downtime), and a deadline
+        # armed from it would pass before the lagging topic reached the records written
+        # just after the opening one.
         self.core = ReorderCore(
             settings.replay, event_time_clock=False,
             max_buffered_bytes_per_episode=settings.replay.max_buffered_bytes_per_episode
@@ -121,8 +125,8 @@ class ReorderProcessor(_Adapter):
             return
         if self.core.clock_ms == 0:  # before the first watermark: start from the log's time
             self.core.tick(rec.timestamp_ms)
-        self._convert(self.core.handle(InEvent.from_decoded(decoded, rec.value)), outs, rec,
-                      merger)
+        event = InEvent.from_decoded(decoded, rec.value, rec.timestamp_ms)
+        self._convert(self.core.handle(event), outs, rec, merger)
 
     def handle_batch(self, records: list[InRecord]) -> list[OutRecord]:
         """Process several records (of this core's partition, in log order) for ONE
@@ -330,7 +334,8 @@ class SchedulerProcessor(_Adapter):
 
             if self.sandbox_order.clock_ms == 0:
                 self.sandbox_order.tick(rec.timestamp_ms)
-            ev = InEvent.from_decoded(decoded, rec.value)._replace(episode=_SANDBOX_EPISODE)
+            ev = InEvent.from_decoded(decoded, rec.value, rec.timestamp_ms)._replace(
+                episode=_SANDBOX_EPISODE)
             self._in_order(self.sandbox_order.handle(ev), rec, outs)
             return outs
         if kind == "ReplaySegment":

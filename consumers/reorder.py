@@ -21,15 +21,22 @@ Guarantees (per episode, keyed by ``(sandbox, episode)``):
   ``dedupe_window`` sequences of the episode; older duplicates are dropped unverified
   (counter ``duplicates_unverified``).
 * **Gaps.** When an event beyond the next expected seq arrives, the episode *stalls*; the
-  stall timer starts at the core's clock and restarts whenever the episode makes progress
-  while events are still buffered. After ``gap_timeout_ms`` without the missing seqs, the gap
-  is closed: the next segment carries ``gap=(from_seq, to_seq)`` (the seqs declared missing)
-  and the stream continues. An event that arrives after its gap was closed is a
+  stall timer starts at the event's *arrival time* (below) and restarts whenever the episode
+  makes progress while events are still buffered. Once the clock has passed that time plus
+  ``gap_timeout_ms`` without the missing seqs, the gap is closed: the next segment carries
+  ``gap=(from_seq, to_seq)`` (the seqs declared missing) and the stream continues. An event that arrives after its gap was closed is a
   :class:`LateOut` (``after_gap``), never spliced into a later segment.
 * **Clock.** The core's clock is the maximum of every event time and every ``tick(now_ms)``
   seen (a watermark); the wall clock is never read. A producer with a clock far ahead
   therefore closes gaps early (the shell should tick from a sane clock and may clamp
-  event times).
+  event times). With ``event_time_clock=False`` only ticks move it.
+* **Arrival time.** Every timeout an event starts (stall, recycle grace, idle, tombstone)
+  counts from ``max(clock, ev.log_time_ms)``: the record's log time (when it was written to
+  Kafka) at the earliest. The clock can lag far behind that moment (one input topic read
+  behind the other, or a clock restored from a changelog that is stale by the downtime); a
+  timer started from the lagging clock would expire as soon as the clock caught up, before
+  the records written right after the opening one were read: a false gap. Decisions still
+  depend only on the log (log times are in it).
 * **End.** The EpisodeEnd's seq is the last: the segment that contains it (once everything
   before it was emitted or declared missing) has ``is_last=True`` and
   ``is_terminal = (outcome == "TERMINAL")``. A ``Drained`` event's ``final_seq`` for an
@@ -139,10 +146,14 @@ class InEvent(NamedTuple):
     """SandboxLifecycle only: the new lifecycle state."""
     final_seqs: tuple[tuple[str, int], ...] = ()
     """Drained only: (episode, final_seq) pairs."""
+    log_time_ms: int = 0
+    """When the record was written to the log (its Kafka timestamp); 0 when unknown. Timeouts
+    the event starts count from it at the earliest (module docstring, "Arrival time")."""
 
     @classmethod
-    def from_decoded(cls, decoded: Any, raw: bytes) -> InEvent:
-        """Build from a :class:`trajbus.schemas.codec.Decoded` and the message bytes.
+    def from_decoded(cls, decoded: Any, raw: bytes, log_time_ms: int = 0) -> InEvent:
+        """Build from a :class:`trajbus.schemas.codec.Decoded`, the message bytes and the
+        record's log timestamp.
 
         Never raises on a schema-valid record; odd values (e.g. a negative seq) are left for
         :meth:`ReorderCore.handle` to dead-letter.
@@ -166,7 +177,7 @@ class InEvent(NamedTuple):
         return cls(
             h.get("task") or "", h.get("sandbox") or "", h.get("episode"),
             h.get("seq", -1), h.get("event_time_ms", 0), kind, raw, content_digest(raw),
-            outcome, state, final,
+            outcome, state, final, log_time_ms,
         )
 
 
@@ -353,6 +364,7 @@ class ReorderCore:
         # a producer whose clock runs ahead cannot time out other episodes' gaps.
         self._event_clock = event_time_clock
         self._clock = 0
+        self._now = 0  # arrival time of the event being handled (the clock during ticks)
         self._persisted_clock = 0
         self._eps: dict[tuple[str, str], _Ep] = {}
         self._by_sandbox: dict[str, set[str]] = {}
@@ -383,10 +395,12 @@ class ReorderCore:
     def handle(self, ev: InEvent) -> list[Output]:
         """Process one event; returns outputs in emission order. Never raises."""
         try:
-            _, sandbox, episode, seq, t, kind, raw, digest, outcome, _, _ = ev
+            _, sandbox, episode, seq, t, kind, raw, digest, outcome, _, _, log_t = ev
             if type(t) is int:
                 if t > self._clock and self._event_clock:
                     self._clock = t
+                now = self._now = (log_t if type(log_t) is int and log_t > self._clock
+                                   else self._clock)
                 ep = self._eps.get((sandbox, episode))  # type: ignore[arg-type]
                 # Fast path: the next expected event of an open episode with nothing buffered.
                 if (
@@ -400,7 +414,7 @@ class ReorderCore:
                     idx = ep.seg_index
                     ep.seg_index = idx + 1
                     ep.last_time = t
-                    ep.active = self._clock
+                    ep.active = now
                     self._dirty_eps.add(ep)
                     self._n_fast += 1
                     out: list[Output] = [
@@ -432,7 +446,7 @@ class ReorderCore:
                     n = len(raw)
                     if seq == ep.next_seq:  # (buf is not None: else the fast path took it)
                         self._c["events"] += 1
-                        ep.active = self._clock
+                        ep.active = now
                         self._dirty_eps.add(ep)
                         out = []
                         self._drain(ep, out, None, (raw, digest, t))
@@ -446,7 +460,7 @@ class ReorderCore:
                         and self._buffered < self._max_total
                     ):  # buffer it (no bound is reached: nothing to force-close)
                         self._c["events"] += 1
-                        ep.active = self._clock
+                        ep.active = now
                         self._dirty_eps.add(ep)
                         if buf is None:
                             buf = ep.buf = {}
@@ -462,6 +476,7 @@ class ReorderCore:
                         return out
             else:
                 ep = None
+                self._now = self._clock
             out = []
             self._slow(ev, ep, out)
             if self._clock >= self._next_due:
@@ -475,6 +490,7 @@ class ReorderCore:
         out: list[Output] = []
         if now_ms > self._clock:
             self._clock = now_ms
+        self._now = self._clock
         try:
             self._fire(out)
         except Exception as exc:  # pragma: no cover - defensive
@@ -624,7 +640,7 @@ class ReorderCore:
                         f"{ev.episode} would exceed replay.max_open_episodes_per_sandbox="
                         f"{self._max_open}")))
                     return
-            ep = _Ep(ev.task, ev.sandbox, ev.episode, self._clock, ev.event_time_ms, self._w)
+            ep = _Ep(ev.task, ev.sandbox, ev.episode, self._now, ev.event_time_ms, self._w)
             self._eps[ep.key] = ep
             self._by_sandbox.setdefault(ep.sandbox, set()).add(ep.episode)
             c["episodes_opened"] += 1
@@ -632,7 +648,7 @@ class ReorderCore:
                 ep.recycle_at = dl
                 self._push_timer(dl, _TIMER_RECYCLE, ep.key)
             if self._idle is not None:
-                self._push_timer(self._clock + self._idle, _TIMER_IDLE, ep.key)
+                self._push_timer(self._now + self._idle, _TIMER_IDLE, ep.key)
         ns = ep.next_seq
         if seq < ns:
             self._old_seq(ep, ev, seq, digest, out)
@@ -648,7 +664,7 @@ class ReorderCore:
             what = "EpisodeEnd" if ep.end_seq >= 0 else "drained final seq"
             out.append(self._dl(ev, "seq_after_end", f"seq {seq} after the {what} at {ep.stop}"))
             return
-        ep.active = self._clock
+        ep.active = self._now
         self._dirty_eps.add(ep)
         if is_end:
             if ep.end_seq >= 0 and seq != ep.end_seq:
@@ -718,7 +734,7 @@ class ReorderCore:
             if sb in self._recycled:
                 return
             self._c["recycled"] += 1
-            dl = self._clock + self._grace
+            dl = self._now + self._grace
             self._recycled[sb] = dl
             self._dirty.add((sb, None))
             self._push_timer(dl + self._ttl, _TIMER_SANDBOX, (sb, ""))
@@ -823,8 +839,8 @@ class ReorderCore:
             self._close(ep)
 
     def _arm_gap(self, ep: _Ep) -> None:
-        ep.gap_since = self._clock
-        self._push_gap(self._clock + self._timeout, ep.key)
+        ep.gap_since = self._now
+        self._push_gap(self._now + self._timeout, ep.key)
 
     def _push_gap(self, deadline: int, key: tuple[str, str]) -> None:
         heapq.heappush(self._gap_heap, (deadline, key))
@@ -870,7 +886,7 @@ class ReorderCore:
         ep.closed = True
         ep.expect = -1
         ep.recycle_at = -1
-        ep.expire_at = self._clock + self._ttl
+        ep.expire_at = self._now + self._ttl
         self._c["episodes_closed"] += 1
         if not (ep.end_seq >= 0 and ep.terminal):
             self._c["episodes_truncated"] += 1
@@ -898,6 +914,7 @@ class ReorderCore:
 
     def _fire(self, out: list[Output]) -> None:
         """Fire every timer due at the current clock, in (deadline, kind, key) order."""
+        self._now = self._clock  # timers re-armed here count from the clock
         self._fire_due(out)
         gh, th = self._gap_heap, self._timers
         self._next_due = min(gh[0][0] if gh else _NEVER, th[0][0] if th else _NEVER)

@@ -99,3 +99,37 @@ async def _consume(settings: Settings, topic: str, n: int, timeout: float = 30) 
 
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+async def test_fleet_input_topics_stamp_records_with_the_brokers_append_time(
+        kafka_broker, unique_name) -> None:
+    """Processors' timeouts count from a record's log time: on the topics the fleet writes it
+    is the broker's clock, whatever timestamp a sandbox (with a wrong clock) sets."""
+    import time
+
+    from aiokafka.structs import TopicPartition
+
+    settings = _settings(kafka_broker.bootstrap, unique_name)
+    await ensure_base_topics(settings)
+    topics = Topics(settings)
+    year_2000_ms = 946_684_800_000
+    try:
+        producer = await shared.get_producer(settings.kafka)
+        before = int(time.time() * 1000)
+        for topic in (topics.sandbox_events, topics.trace_chunks, topics.control, topics.nodes):
+            fut = await producer.send(topic, b"x", key=b"sb", partition=0,
+                                      timestamp_ms=year_2000_ms)
+            await fut
+    finally:
+        await shared.close_producer()
+    for topic in (topics.sandbox_events, topics.trace_chunks, topics.control, topics.nodes):
+        consumer = AIOKafkaConsumer(**connection_options(settings.kafka),
+                                    auto_offset_reset="earliest", enable_auto_commit=False)
+        await consumer.start()
+        try:
+            consumer.assign([TopicPartition(topic, 0)])
+            msg = await asyncio.wait_for(consumer.getone(), 30)
+        finally:
+            await consumer.stop()
+        assert msg.timestamp >= before - 5_000, topic  # the broker's clock, not year 2000
+        assert msg.timestamp_type == 1, topic  # LogAppendTime

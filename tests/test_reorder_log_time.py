@@ -1,0 +1,189 @@
+"""Timeouts of the reorder processor count from the log, never from a clock that lags it.
+
+The processor's clock is the lowest tick watermark across its two input topics (sandbox events
+and trace chunks). That clock can lag far behind the moment a record was written: when one topic
+is read behind the other, and after a restore (the changelog's clock is the previous worker's
+last tick, stale by the downtime). A gap opened by a record written at log time T must not close
+before the clock passes T + gap timeout, wherever the clock stood when the record was read; the
+recycle grace likewise counts from the RECYCLED record's log time. The decision stays
+reproducible: it depends only on the records (their log timestamps and the ticks) in log order.
+
+Pure: the same ReorderProcessor the runner and `replay explain` use, fed InRecords as a consumer
+would hand them over. No broker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from trajbus.bus.settings import ReplaySettings, Settings
+from trajbus.consumers.processors import ReorderProcessor
+from trajbus.consumers.runner import InRecord, OutRecord
+from trajbus.schemas import models as m
+from trajbus.schemas.codec import default_codec
+
+codec = default_codec()
+EVENTS, CHUNKS = "t.sandbox.events", "t.trace.chunks"
+T0 = 1_767_225_600_000
+TIMEOUT = 30_000
+
+
+class Log:
+    """Records of one input partition pair, in the order a consumer hands them over."""
+
+    def __init__(self) -> None:
+        self.offsets = {EVENTS: 0, CHUNKS: 0}
+
+    def rec(self, topic: str, value: bytes, log_time: int, key: bytes = b"sb-1") -> InRecord:
+        off = self.offsets[topic]
+        self.offsets[topic] = off + 1
+        return InRecord(topic, 0, off, key, value, log_time)
+
+    def tick(self, topic: str, t: int) -> InRecord:
+        tick = m.Tick(header=m.Envelope(task="_tick", sandbox="_tick", seq=0, event_time_ms=t,
+                                        producer_id="test"))
+        return self.rec(topic, tick.encode(), t, b"_tick")
+
+    def ticks(self, topic: str, start: int, stop: int, every: int = 1000) -> list[InRecord]:
+        return [self.tick(topic, t) for t in range(start, stop + 1, every)]
+
+
+def _header(seq: int, t: int, episode: str | None = "ep-1") -> m.Envelope:
+    return m.Envelope(event_id=f"e-{episode}-{seq}", task="task-a", sandbox="sb-1",
+                      episode=episode, seq=seq, event_time_ms=t, producer_id="test")
+
+
+def start(t: int) -> bytes:
+    return m.EpisodeStart(header=_header(0, t)).encode()
+
+
+def call(seq: int, t: int) -> bytes:
+    return m.ToolCall(header=_header(seq, t), call_id=f"c{seq}", tool="exec",
+                      args_hash=f"{seq:064x}").encode()
+
+
+def chunk(seq: int, t: int) -> bytes:
+    return m.TraceChunk(header=_header(seq, t), file_offset=seq * 10, length=3,
+                        sha256=hashlib.sha256(b"abc").hexdigest(), data=b"abc").encode()
+
+
+def end(seq: int, t: int) -> bytes:
+    return m.EpisodeEnd(header=_header(seq, t), outcome=m.EpisodeOutcome.TERMINAL).encode()
+
+
+def recycled(seq: int, t: int) -> bytes:
+    return m.SandboxLifecycle(header=_header(seq, t, episode=None),
+                              state=m.LifecycleState.RECYCLED).encode()
+
+
+def processor() -> ReorderProcessor:
+    s = Settings()
+    s.topics.prefix = "t"
+    s.replay = ReplaySettings(gap_timeout_ms=TIMEOUT)
+    return ReorderProcessor(s)
+
+
+def feed(p: ReorderProcessor, records: list[InRecord]) -> list[OutRecord]:
+    outs: list[OutRecord] = []
+    for r in records:
+        outs.extend(p.handle(r))
+    return outs
+
+
+def replay_view(outs: list[OutRecord]) -> dict[str, Any]:
+    """What the outputs say: replayed seqs in order, gap markers, late records."""
+    seqs: list[int] = []
+    gaps: list[tuple[int, int]] = []
+    late = 0
+    for o in outs:
+        if o.topic == "t.late":
+            late += 1
+            continue
+        if not o.topic.startswith("t.replay."):
+            continue
+        seg = codec.decode(o.value).record
+        if seg["gap"] is not None:
+            gaps.append((seg["gap"]["from_seq"], seg["gap"]["to_seq"]))
+        seqs.extend(codec.decode(e).record["header"]["seq"] for e in seg["events"])
+    return {"seqs": seqs, "gaps": gaps, "late": late}
+
+
+def test_a_gap_opened_on_the_leading_topic_waits_for_the_lagging_one() -> None:
+    """The chunks topic is read ~100 s behind the events topic. Seq 1 (a trace chunk) was
+    written between seqs 0 and 2 but is read only when the chunks topic catches up: by then
+    the clock (its watermark) has moved 99 s, far past "clock when the gap opened + timeout",
+    yet the gap must still be open, because seq 2 was written only 0.1 s before seq 1."""
+    log = Log()
+    p = processor()
+    t = T0 + 100_000
+    records = [log.tick(EVENTS, T0), log.tick(CHUNKS, T0),
+               *log.ticks(EVENTS, T0 + 1000, t),
+               log.rec(EVENTS, start(t), t), log.rec(EVENTS, call(2, t + 200), t + 200),
+               log.rec(EVENTS, end(3, t + 300), t + 300),
+               *log.ticks(CHUNKS, T0 + 1000, t),  # the lagging topic catches up ...
+               log.rec(CHUNKS, chunk(1, t + 100), t + 100),  # ... to the missing seq
+               *log.ticks(CHUNKS, t + 1000, t + 2 * TIMEOUT),
+               *log.ticks(EVENTS, t + 1000, t + 2 * TIMEOUT)]
+    assert replay_view(feed(p, records)) == {"seqs": [0, 1, 2, 3], "gaps": [], "late": 0}
+
+
+def test_after_a_restore_a_stale_clock_does_not_close_gaps_of_new_records() -> None:
+    """A worker dies at T0+10 s; the next one restores the changelog (clock T0+10 s) and starts
+    ticking two minutes later. Its first tick on the chunks topic moves the clock 2 minutes at
+    once; a gap opened by a live record just before must not close then: seq 1 is the next
+    record of the chunks topic."""
+    log = Log()
+    first = processor()
+    feed(first, [*log.ticks(EVENTS, T0, T0 + 10_000), *log.ticks(CHUNKS, T0, T0 + 10_000)])
+    second = processor()
+    for key, blob in first.take_dirty().items():
+        assert blob is not None
+        second.restore(key, blob)
+
+    t = T0 + 130_000  # the new worker's first ticks, then live traffic
+    records = [*log.ticks(EVENTS, t, t + 5000),
+               log.rec(EVENTS, start(t + 5000), t + 5000),
+               log.rec(EVENTS, call(2, t + 5200), t + 5200),
+               log.rec(EVENTS, end(3, t + 5300), t + 5300),
+               log.tick(CHUNKS, t),  # the clock jumps 2 minutes here
+               log.rec(CHUNKS, chunk(1, t + 5100), t + 5100),
+               *log.ticks(CHUNKS, t + 1000, t + 2 * TIMEOUT),
+               *log.ticks(EVENTS, t + 6000, t + 2 * TIMEOUT)]
+    assert replay_view(feed(second, records)) == {"seqs": [0, 1, 2, 3], "gaps": [],
+                                                  "late": 0}
+
+
+def test_a_real_gap_still_closes_one_timeout_after_the_log_time_of_its_opening_record() -> None:
+    """The same lagging-topic log without seq 1: the gap is declared once the clock passes
+    (log time of seq 2) + timeout, not earlier and not later."""
+    log = Log()
+    p = processor()
+    t = T0 + 100_000
+    opened = t + 200
+    outs = feed(p, [log.tick(EVENTS, T0), log.tick(CHUNKS, T0),
+                    *log.ticks(EVENTS, T0 + 1000, t + 2 * TIMEOUT),
+                    log.rec(EVENTS, start(t), t), log.rec(EVENTS, call(2, opened), opened),
+                    *log.ticks(CHUNKS, T0 + 1000, opened + TIMEOUT - 200)])
+    assert replay_view(outs)["gaps"] == []  # the clock is 200 ms short of the deadline
+    outs += feed(p, [log.tick(CHUNKS, opened + TIMEOUT)])
+    assert replay_view(outs) == {"seqs": [0, 2], "gaps": [(1, 1)], "late": 0}
+
+
+def test_the_recycle_grace_counts_from_the_recycled_records_log_time() -> None:
+    """RECYCLED is read from the leading events topic while the chunks topic lags 100 s; the
+    episode's last trace chunk, written just before the recycle, is still in flight on the
+    chunks topic. The grace (one gap timeout) must not run out before it is read."""
+    log = Log()
+    p = processor()
+    t = T0 + 100_000
+    records = [log.tick(EVENTS, T0), log.tick(CHUNKS, T0),
+               *log.ticks(EVENTS, T0 + 1000, t),
+               log.rec(EVENTS, start(t - 50_000), t - 50_000),
+               log.rec(EVENTS, recycled(7, t + 300), t + 300),
+               *log.ticks(CHUNKS, T0 + 1000, t),
+               log.rec(CHUNKS, chunk(1, t + 100), t + 100),
+               *log.ticks(CHUNKS, t + 1000, t + 2 * TIMEOUT),
+               *log.ticks(EVENTS, t + 1000, t + 2 * TIMEOUT)]
+    view = replay_view(feed(p, records))
+    assert view["seqs"] == [0, 1] and view["late"] == 0
