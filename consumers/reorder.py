@@ -24,8 +24,9 @@ Guarantees (per episode, keyed by ``(sandbox, episode)``):
   stall timer starts at the event's *arrival time* (below) and restarts whenever the episode
   makes progress while events are still buffered. Once the clock has passed that time plus
   ``gap_timeout_ms`` without the missing seqs, the gap is closed: the next segment carries
-  ``gap=(from_seq, to_seq)`` (the seqs declared missing) and the stream continues. An event that arrives after its gap was closed is a
-  :class:`LateOut` (``after_gap``), never spliced into a later segment.
+  ``gap=(from_seq, to_seq)`` (the seqs declared missing) and the stream continues. An event
+  that arrives after its gap was closed is a :class:`LateOut` (``after_gap``), never spliced
+  into a later segment.
 * **Clock.** The core's clock is the maximum of every event time and every ``tick(now_ms)``
   seen (a watermark); the wall clock is never read. A producer with a clock far ahead
   therefore closes gaps early (the shell should tick from a sane clock and may clamp
