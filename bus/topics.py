@@ -1,7 +1,9 @@
 """The topic catalog: every topic trajbus uses, with its partitions, retention and compaction.
 
 Keys decide ordering: sandbox-side topics are keyed by sandbox id, so one sandbox's events
-stay in one partition; replay topics are keyed by episode id.
+stay in one partition; replay and late topics are keyed by :func:`episode_record_key`
+(``sandbox/episode``): one episode stays in one partition, and episodes spread over all
+partitions (episode ids repeat across sandboxes, so the bare id would use only a few).
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ from trajbus.bus.settings import Settings
 DAY_MS = 24 * 3600 * 1000
 WRAP_HEADROOM = 1024 * 1024
 _TASK_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,120}$")
+
+
+def episode_record_key(sandbox: str, episode: str) -> bytes:
+    """The Kafka key of an episode's records on replay and late topics."""
+    return f"{sandbox}/{episode}".encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +97,7 @@ class Topics:
         self, task: str, partitions: int = 6, max_bytes: int | None = None
     ) -> TopicSpec:
         return TopicSpec(self.replay(task), partitions, f"ordered replay segments of task {task}",
-                         "episode", max_message_bytes=max_bytes)
+                         "sandbox/episode", max_message_bytes=max_bytes)
 
     @property
     def specs(self) -> list[TopicSpec]:

@@ -59,7 +59,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from trajbus.bus.kafka import check_broker, connection_options
 from trajbus.bus.settings import Settings
-from trajbus.bus.topics import Topics
+from trajbus.bus.topics import Topics, episode_record_key
 from trajbus.consumers.runner import InRecord, OutRecord
 from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
 
@@ -895,13 +895,14 @@ async def republish(
         }
         values.append(codec.encode("ReplaySegment", record))
     await ensure_topics(settings, [TopicSpec(
-        topic, settings.topics.partitions, f"operator republish of {task}", "episode",
+        topic, settings.topics.partitions, f"operator republish of {task}", "sandbox/episode",
         max_message_bytes=settings.topics.max_message_bytes)])
     producer = AIOKafkaProducer(**producer_options(
         settings.kafka, client_id=f"{settings.kafka.client_id}-republish"))
     await producer.start()
     try:
-        futures = [await producer.send(topic, v, key=episode.encode()) for v in values]
+        key = episode_record_key(sandbox, episode)
+        futures = [await producer.send(topic, v, key=key) for v in values]
         await asyncio.gather(*futures)
     finally:
         await producer.stop()

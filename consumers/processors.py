@@ -13,7 +13,7 @@ from typing import Any
 
 from trajbus.bus import deadletter
 from trajbus.bus.settings import Settings
-from trajbus.bus.topics import Topics, TopicSpec, validate_name
+from trajbus.bus.topics import Topics, TopicSpec, episode_record_key, validate_name
 from trajbus.consumers import metrics
 from trajbus.consumers.reorder import (
     DeadLetterOut,
@@ -156,8 +156,9 @@ class ReorderProcessor(_Adapter):
         return outs
 
     def _segment(self, seg: Any) -> OutRecord:
-        return OutRecord(self.topics.replay(seg.task), seg.episode.encode(), self.codec.encode(
-            "ReplaySegment", segment_record(seg, self.producer_id)))
+        value = self.codec.encode("ReplaySegment", segment_record(seg, self.producer_id))
+        return OutRecord(self.topics.replay(seg.task),
+                         episode_record_key(seg.sandbox, seg.episode), value)
 
     def _finish(self, merger: _SegmentMerger) -> None:
         """Encode the (coalesced) segments into their reserved places in ``outs``."""
@@ -176,7 +177,8 @@ class ReorderProcessor(_Adapter):
                     merger.add(r)
             elif isinstance(r, LateOut):
                 metrics.LATE.inc()
-                outs.append(OutRecord(self.topics.late, r.episode.encode(), r.raw))
+                outs.append(OutRecord(self.topics.late, episode_record_key(r.sandbox, r.episode),
+                                      r.raw))
             elif isinstance(r, DeadLetterOut):
                 src = rec or InRecord("_core", -1, -1, None, r.raw, 0)
                 reason = r.reason

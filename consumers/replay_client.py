@@ -3,7 +3,7 @@
 Guarantees
 ----------
 * **Order**: segments of an episode arrive in sequence order (the reorder processor publishes
-  them keyed by episode, so one episode lives in one partition, in order).
+  them keyed by ``sandbox/episode``, so one episode lives in one partition, in order).
 * **Once**: the client drops any event whose (sandbox, episode, seq) it has already delivered
   (a re-derived or zombie-duplicated segment), trimming partly overlapping segments.
 * **Commit after acknowledgement**: a Kafka offset is committed only when the trainer has

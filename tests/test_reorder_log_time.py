@@ -8,6 +8,9 @@ before the clock passes T + gap timeout, wherever the clock stood when the recor
 recycle grace likewise counts from the RECYCLED record's log time. The decision stays
 reproducible: it depends only on the records (their log timestamps and the ticks) in log order.
 
+Also here: how the processor keys its replay records (one episode in one partition, a fleet's
+episodes over all partitions).
+
 Pure: the same ReorderProcessor the runner and `replay explain` use, fed InRecords as a consumer
 would hand them over. No broker.
 """
@@ -187,3 +190,26 @@ def test_the_recycle_grace_counts_from_the_recycled_records_log_time() -> None:
                *log.ticks(EVENTS, t + 1000, t + 2 * TIMEOUT)]
     view = replay_view(feed(p, records))
     assert view["seqs"] == [0, 1] and view["late"] == 0
+
+
+def test_replay_records_are_keyed_by_sandbox_and_episode_and_spread_over_partitions() -> None:
+    """Episode ids repeat across sandboxes (every sandbox has an episode "00001"): replay
+    records are keyed ``sandbox/episode``, so one episode stays in one partition while a
+    fleet's episodes use every partition of the replay topic (keyed by the bare episode id,
+    30 sandboxes' "00001" would all land in one partition)."""
+    from aiokafka.partitioner import DefaultPartitioner
+
+    p = processor()
+    log = Log()
+    outs: list[OutRecord] = []
+    for i in range(30):
+        sb = f"sb-{i}"
+        hdr = m.Envelope(event_id=f"{sb}-0", task="task-a", sandbox=sb, episode="00001", seq=0,
+                         event_time_ms=T0, producer_id="test")
+        outs += feed(p, [log.rec(EVENTS, m.EpisodeStart(header=hdr).encode(), T0, sb.encode())])
+    replay = [o for o in outs if o.topic == "t.replay.task-a"]
+    assert len(replay) == 30
+    assert {o.key for o in replay} == {f"sb-{i}/00001".encode() for i in range(30)}
+    partitions = list(range(6))
+    used = {DefaultPartitioner()(o.key, partitions, partitions) for o in replay}
+    assert used == set(partitions)
