@@ -31,6 +31,7 @@ def dead_letter_event(
     sandbox: str = "_unknown",
     episode: str | None = None,
     event_time_ms: int | None = None,
+    conflicting: bytes | None = None,
 ) -> DeadLetter:
     """Build the dead letter. Its event id is derived from the source position, so republishing
     the same rejection after a restart is recognisable as the same dead letter."""
@@ -54,6 +55,7 @@ def dead_letter_event(
         source_offset=source_offset,
         original_key=key,
         original_value=value,
+        conflicting_value=conflicting,
     )
 
 

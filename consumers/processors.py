@@ -46,23 +46,33 @@ class _Adapter:
             return None
 
     def dead_letter(self, rec: InRecord, code: str, reason: str, *,
-                    value: bytes | None = None, header: dict[str, Any] | None = None
-                    ) -> OutRecord:
+                    value: bytes | None = None, header: dict[str, Any] | None = None,
+                    conflicting: bytes | None = None) -> OutRecord:
+        """The dead letter of ``rec`` (or of ``value``, the record's bytes as the core saw
+        them), with ``conflicting`` (the version kept instead) for a conflicting duplicate.
+        Never a poison pill: what does not fit the derived topics' record limit is truncated,
+        and the reason says where the whole bytes are."""
         deadletter.count(self.stage, code)
         metrics.DEAD_LETTERS.labels(self.stage, code).inc()
         h = header or {}
         original = rec.value if value is None else value
         room = self.topics.derived_max_bytes - 64 * 1024
-        if len(original) > room:  # never a poison pill: the full record stays in its topic
+        if len(original) > room:  # the full record stays in its topic
             reason += (f" (original of {len(original)} bytes truncated to {room}; the whole "
                        f"record is at {rec.topic}/{rec.partition}@{rec.offset})")
             original = original[:room]
+        if conflicting is not None and len(original) + len(conflicting) > room:
+            keep = room - len(original)
+            reason += (f" (kept version of {len(conflicting)} bytes truncated to {keep}; it "
+                       "is replayed whole in its episode's replay segment)")
+            conflicting = conflicting[:keep]
         event = deadletter.dead_letter_event(
             stage=self.stage, reason_code=code, reason=reason, source_topic=rec.topic,
             source_partition=rec.partition, source_offset=rec.offset, key=rec.key,
             value=original, producer_id=self.producer_id,
             task=h.get("task") or "_unknown", sandbox=h.get("sandbox") or "_unknown",
             episode=h.get("episode"), event_time_ms=h.get("event_time_ms") or rec.timestamp_ms,
+            conflicting=conflicting,
         )
         return OutRecord(self.topics.deadletter, rec.key, event.encode())
 
@@ -181,11 +191,9 @@ class ReorderProcessor(_Adapter):
                                       r.raw))
             elif isinstance(r, DeadLetterOut):
                 src = rec or InRecord("_core", -1, -1, None, r.raw, 0)
-                reason = r.reason
-                if r.conflicting_with is not None:
-                    reason += f" (kept version: {r.conflicting_with.hex()[:400]})"
-                outs.append(self.dead_letter(src, r.reason_code, reason, value=r.raw, header={
-                    "task": r.task, "sandbox": r.sandbox, "episode": r.episode}))
+                outs.append(self.dead_letter(src, r.reason_code, r.reason, value=r.raw, header={
+                    "task": r.task, "sandbox": r.sandbox, "episode": r.episode},
+                    conflicting=r.conflicting_with))
 
     def take_dirty(self) -> dict[str, bytes | None]:
         return self.core.take_dirty()

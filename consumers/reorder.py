@@ -721,7 +721,8 @@ class ReorderCore:
                 self._c["conflicts"] += 1
                 out.append(self._dl(ev, "conflicting_duplicate",
                                     f"seq {seq} was already emitted with different content "
-                                    f"(digest {have:016x}, this one {digest:016x})"))
+                                    f"(digest {have:016x}, this one {digest:016x}); the kept "
+                                    "version is in the episode's replay segments"))
             return
         for lo, hi in ep.gaps:
             if lo <= seq <= hi:

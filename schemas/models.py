@@ -287,6 +287,8 @@ class DeadLetter(Event):
     source_offset: int = -1
     original_key: bytes | None = None
     original_value: bytes
+    conflicting_value: bytes | None = None
+    """``conflicting_duplicate``: the version that was kept (seen first); ``None`` otherwise."""
 
 
 EVENT_MODELS: dict[str, type[Event]] = {
