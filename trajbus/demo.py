@@ -16,7 +16,7 @@ from collections import Counter
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from trajbus.bus.kafka import connection_options
-from trajbus.bus.settings import KafkaSettings, Settings
+from trajbus.bus.settings import Settings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,7 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="simulation seed (default: from the clock; printed, so a run can be "
                    "repeated on a fresh broker)")
     p.add_argument("--bootstrap", default=None,
-                   help="use this existing Kafka instead of the local broker")
+                   help="use this existing Kafka instead of the local broker (default: "
+                   "TRAJBUS_KAFKA__BOOTSTRAP_SERVERS when set, else a local broker on "
+                   "127.0.0.1:9092, started if needed)")
     p.add_argument("--smoke", action="store_true",
                    help="only publish events of every kind and count them back (no processors)")
     p.add_argument("--events-per-kind", type=int, default=200, metavar="N",
@@ -47,10 +49,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    import os
+
+    from trajbus.bus.settings import get_settings
     from trajbus.infra.broker import LocalBroker
 
+    base = get_settings()  # every TRAJBUS_ setting applies (security, partitions, ...)
     broker = None
-    bootstrap = args.bootstrap
+    bootstrap = args.bootstrap or os.environ.get("TRAJBUS_KAFKA__BOOTSTRAP_SERVERS")
     if bootstrap is None:
         broker = LocalBroker()
         already = broker.is_running()
@@ -60,7 +66,8 @@ def run_demo(args: argparse.Namespace) -> int:
         bootstrap = broker.bootstrap
         if already:
             broker = None  # not ours to stop
-    settings = Settings(kafka=KafkaSettings(bootstrap_servers=bootstrap))
+    settings = base.model_copy(update={"kafka": base.kafka.model_copy(
+        update={"bootstrap_servers": bootstrap})})
     try:
         if args.smoke:
             counts, elapsed = asyncio.run(_publish_and_consume(settings, args.events_per_kind))
@@ -69,7 +76,14 @@ def run_demo(args: argparse.Namespace) -> int:
         from trajbus.pipeline_demo import run_pipeline
 
         seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
-        return asyncio.run(run_pipeline(settings, args.sandboxes, args.episodes, seed))
+        run = isolated_run(settings, seed)
+        _say(f"this run's topics, consumer groups, state and transactional ids use the prefix "
+             f"{run.topics.prefix!r}; archive: {run.archive.url}")
+        code = asyncio.run(run_pipeline(run, args.sandboxes, args.episodes, seed))
+        print(f"\nto look at this run (the broker must still run: --keep):\n"
+              f"  export TRAJBUS_TOPICS__PREFIX={run.topics.prefix} "
+              f"TRAJBUS_ARCHIVE__URL={run.archive.url}")
+        return code
     finally:
         if broker is not None and not args.keep:
             _say("stopping the broker this demo started")
@@ -145,6 +159,22 @@ def _print_table(counts: dict[str, tuple[int, int]], elapsed: float) -> None:
     total_s = sum(s for s, _ in counts.values())
     total_g = sum(g for _, g in counts.values())
     print(f"{'total':22} {total_s:>10} {total_g:>10}   ({elapsed:.1f}s round trip)")
+
+
+def isolated_run(settings: Settings, seed: int) -> Settings:
+    """Settings of one demo run, isolated from every earlier run on the same broker: its own
+    topic prefix (so its own consumer groups, state changelogs and transactional ids, which
+    derive from the prefix) and its own archive location."""
+    import uuid
+
+    run_id = f"demo-{seed}-{uuid.uuid4().hex[:6]}"
+    prefix = f"{settings.topics.prefix}.{run_id}"
+    url = f"{settings.archive.url.rstrip('/')}/{run_id}"
+    spool = f"{settings.archive.spool_dir.rstrip('/')}/{run_id}"
+    return settings.model_copy(update={
+        "topics": settings.topics.model_copy(update={"prefix": prefix}),
+        "archive": settings.archive.model_copy(update={"url": url, "spool_dir": spool}),
+    })
 
 
 def _say(msg: str) -> None:

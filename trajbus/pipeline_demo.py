@@ -3,9 +3,25 @@
 fleet simulator -> Kafka -> worker process (reorder, watchdog, scheduler) -> replay topics ->
 trainer (ReplayClient);  Kafka -> archiver -> Parquet (.trajbus/archive) -> DuckDB.
 
-The summary is a check, not a report: it compares every episode the trainer received with the
-(seq, event id) pairs the emitters had acknowledged, the watchdog's alerts with the episodes
-the simulator made loop, and exits non-zero on any difference.
+The summary is a check, not a report. It fails (non-zero) unless:
+
+- every episode the trainer received equals the (seq, event id) pairs the emitters had
+  acknowledged, in order, once;
+- the replay topics themselves (read raw, before any client-side deduplication) hold every
+  acknowledged event exactly once, and carry gap markers only where an acknowledged seq is
+  really missing (a crash);
+- the watchdog alerted on exactly the episodes the simulator made loop;
+- every sandbox's lifecycle completed: a DRAIN and then one RECYCLE decision each
+  (RECYCLE_WITH_LOSS only for a sandbox the simulator crashed on purpose);
+- there are no dead letters and no ANOMALY decisions (the simulated fleet is clean: the faults
+  it plants -- crashes, migrations, re-sent duplicates, out-of-order delivery -- must all be
+  absorbed);
+- the archive holds every acknowledged event (episodes and sandbox-level streams) once.
+
+:func:`run_pipeline` uses the settings it is given (topic prefix, archive location): callers
+isolate runs by giving each its own prefix (``trajbus demo`` does, per run). ``faults`` adds
+what the soak (``make soak``) needs: the worker SIGKILLed and restarted mid-run, the broker
+restarted mid-run.
 """
 
 from __future__ import annotations
@@ -16,6 +32,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,14 +60,28 @@ class View:
     alerts: Counter[str] = field(default_factory=Counter)
     loop_alerts: set[tuple[str, str | None]] = field(default_factory=set)
     decisions: Counter[str] = field(default_factory=Counter)
+    by_sandbox: dict[str, list[str]] = field(default_factory=dict)  # decisions, in order
+    anomalies: list[str] = field(default_factory=list)
     dead_letters: Counter[str] = field(default_factory=Counter)
+    dead_letter_examples: list[str] = field(default_factory=list)
     sample: tuple[str, str] | None = None  # one finished episode, for the waterfall
+
+
+@dataclass
+class Faults:
+    """Faults injected during a run (the soak). Times count from the fleet's start."""
+
+    kill_worker_after_s: float | None = None  # SIGKILL the worker, then start it again
+    restart_broker_after_s: float | None = None
+    restart_broker: Callable[[], Awaitable[None]] | None = None  # stops and restarts it
+    log: list[str] = field(default_factory=list)  # what was injected, when
 
 
 async def run_pipeline(settings: Settings, sandboxes: int, episodes: int, seed: int, *,
                        work_root: Path = Path(".trajbus/demo"),
-                       settle_timeout_s: float = 90) -> int:
-    """Run the pipeline once and check it. Returns 0 when every check passed."""
+                       settle_timeout_s: float = 90, faults: Faults | None = None) -> int:
+    """Run the pipeline once and check it (module docstring). Returns 0 when every check
+    passed."""
     from trajbus.bus.admin import ensure_base_topics, register_schemas
     from trajbus.bus.producer import close_producer
     from trajbus.producers.simulator import simulate
@@ -64,8 +95,8 @@ async def run_pipeline(settings: Settings, sandboxes: int, episodes: int, seed: 
          f"{', '.join(TASKS)}; work dir {work}")
 
     worker_log = work / "worker.log"
-    worker = _start_worker(settings, worker_log)
-    _say(f"worker process pid {worker.pid} (reorder, watchdog, scheduler); log {worker_log}")
+    workers = [_start_worker(settings, worker_log)]
+    _say(f"worker process pid {workers[0].pid} (reorder, watchdog, scheduler); log {worker_log}")
     view = View()
     started = time.monotonic()
     stop = asyncio.Event()
@@ -75,6 +106,8 @@ async def run_pipeline(settings: Settings, sandboxes: int, episodes: int, seed: 
                                               topics.deadletter], view, stop)),
     ]
     live = asyncio.create_task(_live(view, started, stop))
+    chaos = asyncio.create_task(_inject(settings, faults, workers, worker_log)) \
+        if faults is not None else None
     try:
         manifest = await simulate(
             settings, sandboxes=sandboxes, episodes=episodes, seed=seed,
@@ -89,28 +122,66 @@ async def run_pipeline(settings: Settings, sandboxes: int, episodes: int, seed: 
              f"episodes planted")
         # The trainer has everything when every acknowledged episode arrived (recycled
         # sandboxes' unfinished episodes arrive truncated after the recycle grace).
+        if chaos is not None:
+            await chaos  # every planned fault happened before the run is judged
+        sandbox_ids = {e.sandbox for e in manifest.episodes} | set(manifest.sandbox_streams)
         deadline = time.monotonic() + settle_timeout_s
         while time.monotonic() < deadline:
             if all((s, ep) in view.episodes for (_, s, ep) in expected) and \
-                    len(view.loop_alerts) >= len(manifest.loops):
+                    len(view.loop_alerts) >= len(manifest.loops) and \
+                    all(_recycled(view.by_sandbox.get(sb, [])) for sb in sandbox_ids):
                 break
             await asyncio.sleep(0.5)
     finally:
         stop.set()
-        for t in [*watchers, live]:
+        for t in [*watchers, live, *([chaos] if chaos is not None else [])]:
             t.cancel()
-        await asyncio.gather(*watchers, live, return_exceptions=True)
-        worker.terminate()
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
+        await asyncio.gather(*watchers, live, *([chaos] if chaos is not None else []),
+                             return_exceptions=True)
+        for worker in workers:
+            worker.terminate()
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
     print(file=sys.stderr)
 
+    replay = await _replay_topics(settings)
     archive_summary = await _archive(settings)
     waterfall = await _waterfall(settings, view, work)
-    return _summary(expected, manifest, view, archive_summary, waterfall,
-                    time.monotonic() - started)
+    return _summary(expected, manifest, view, replay, archive_summary, waterfall,
+                    time.monotonic() - started, faults)
+
+
+def _recycled(decisions: list[str]) -> bool:
+    return "RECYCLE" in decisions or "RECYCLE_WITH_LOSS" in decisions
+
+
+async def _inject(settings: Settings, faults: Faults, workers: list[subprocess.Popen[bytes]],
+                  worker_log: Path) -> None:
+    """Inject the planned faults, in time order, while the fleet runs."""
+    t0 = time.monotonic()
+    plan: list[tuple[float, str]] = []
+    if faults.kill_worker_after_s is not None:
+        plan.append((faults.kill_worker_after_s, "kill-worker"))
+    if faults.restart_broker_after_s is not None and faults.restart_broker is not None:
+        plan.append((faults.restart_broker_after_s, "restart-broker"))
+    for at, what in sorted(plan):
+        await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+        if what == "kill-worker":
+            old = workers[-1]
+            old.kill()
+            await asyncio.to_thread(old.wait, 10)
+            workers.append(_start_worker(settings, worker_log))
+            faults.log.append(f"{time.monotonic() - t0:.1f}s: worker pid {old.pid} SIGKILLed, "
+                              f"restarted as pid {workers[-1].pid}")
+        else:
+            assert faults.restart_broker is not None
+            began = time.monotonic()
+            await faults.restart_broker()
+            faults.log.append(f"{began - t0:.1f}s: broker restarted (down "
+                              f"{time.monotonic() - began:.1f}s)")
+        _say(faults.log[-1])
 
 
 def _start_worker(settings: Settings, log_path: Path) -> subprocess.Popen[bytes]:
@@ -155,9 +226,8 @@ async def _trainer(settings: Settings, seed: int, view: View, started: float,
 
 async def _watch(settings: Settings, topics: list[str], view: View, stop: asyncio.Event) -> None:
     codec = default_codec()
-    # Read from the beginning and keep this run's records (by log time): "latest" would miss
-    # what the worker wrote before this consumer was assigned its partitions.
-    since_ms = int(time.time() * 1000)
+    # From the beginning: the run has topics of its own ("latest" would miss what the worker
+    # wrote before this consumer was assigned its partitions).
     consumer = AIOKafkaConsumer(*topics, **connection_options(settings.kafka),
                                 auto_offset_reset="earliest", isolation_level="read_committed",
                                 enable_auto_commit=False, group_id=None)
@@ -167,8 +237,6 @@ async def _watch(settings: Settings, topics: list[str], view: View, stop: asynci
             batch = await consumer.getmany(timeout_ms=300)
             for msgs in batch.values():
                 for msg in msgs:
-                    if msg.timestamp < since_ms:
-                        continue
                     try:
                         d = codec.decode(msg.value)
                     except DecodeError:
@@ -179,9 +247,17 @@ async def _watch(settings: Settings, topics: list[str], view: View, stop: asynci
                         if r["alert"] == "LOOP":
                             view.loop_alerts.add((r["header"]["sandbox"], r["header"]["episode"]))
                     elif d.kind == "SchedulingDecision":
-                        view.decisions[r["decision"]] += 1
+                        decision, sb = str(r["decision"]), r["header"]["sandbox"]
+                        view.decisions[decision] += 1
+                        view.by_sandbox.setdefault(sb, []).append(decision)
+                        if decision == "ANOMALY":
+                            view.anomalies.append(f"{sb}: {r['reason']}")
                     elif d.kind == "DeadLetter":
                         view.dead_letters[f"{r['stage']}:{r['reason_code']}"] += 1
+                        if len(view.dead_letter_examples) < 5:
+                            view.dead_letter_examples.append(
+                                f"{r['stage']}:{r['reason_code']} {r['header']['sandbox']}/"
+                                f"{r['header']['episode']}: {r['reason'][:160]}")
     finally:
         await consumer.stop()
 
@@ -195,6 +271,43 @@ async def _live(view: View, started: float, stop: asyncio.Event) -> None:
                 f"alerts: {sum(view.alerts.values())} | decisions: {decisions or '-'} | "
                 f"dead letters: {sum(view.dead_letters.values())}")
         print(line[:160].ljust(160), end="", file=sys.stderr, flush=True)
+
+
+@dataclass
+class ReplayTopics:
+    """The replay topics read raw (read_committed, no client-side dedupe)."""
+
+    seqs: dict[tuple[str, str], Counter[tuple[int, str]]] = field(default_factory=dict)
+    gaps: dict[tuple[str, str], list[tuple[int, int]]] = field(default_factory=dict)
+    error: str | None = None
+
+
+async def _replay_topics(settings: Settings) -> ReplayTopics:
+    from trajbus.consumers.operator import read_records
+
+    codec = default_codec()
+    out = ReplayTopics()
+    topics = Topics(settings)
+    try:
+        parts = await read_records(settings, [topics.replay(t) for t in TASKS])
+    except Exception as exc:  # reported as a problem: the check cannot pass unread
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+    for records in parts.values():
+        for rec in records:
+            d = codec.decode(rec.value)
+            if d.kind != "ReplaySegment":
+                continue
+            seg = d.record
+            key = (seg["header"]["sandbox"], seg["header"]["episode"])
+            seen = out.seqs.setdefault(key, Counter())
+            for raw in seg["events"]:
+                h = codec.decode(raw).record["header"]
+                seen[(h["seq"], h["event_id"])] += 1
+            if seg["gap"] is not None:
+                out.gaps.setdefault(key, []).append((seg["gap"]["from_seq"],
+                                                     seg["gap"]["to_seq"]))
+    return out
 
 
 async def _archive(settings: Settings) -> dict[str, Any]:
@@ -215,6 +328,9 @@ async def _archive(settings: Settings) -> dict[str, Any]:
         summary["query"] = ("SELECT task, kind, count(*) AS events FROM events "
                             "GROUP BY ALL ORDER BY task, events DESC LIMIT 12")
         summary["rows"] = con.execute(summary["query"]).fetchall()
+        summary["events"] = con.execute(
+            "SELECT sandbox, episode, seq, event_id, count(*) FROM events "
+            "WHERE sandbox <> '_tick' GROUP BY ALL").fetchall()
     except Exception as exc:  # the summary says what failed; the check below still runs
         summary["error"] = f"{type(exc).__name__}: {exc}"
     return summary
@@ -237,8 +353,18 @@ async def _waterfall(settings: Settings, view: View, work: Path) -> Path | None:
         return None
 
 
+def _expects_gap(acked: list[tuple[int, str]], final_seq: int | None) -> bool:
+    """True when an acknowledged seq is really missing (a crash lost it): only then may the
+    replay carry a gap marker."""
+    seqs = sorted(seq for seq, _ in acked)
+    if not seqs:
+        return final_seq is not None and final_seq >= 0
+    return seqs != list(range(seqs[-1] + 1)) or (final_seq is not None and final_seq > seqs[-1])
+
+
 def _summary(expected: dict[tuple[str, str, str], Any], manifest: Any, view: View,
-             archive: dict[str, Any], waterfall: Path | None, elapsed: float) -> int:
+             replay: ReplayTopics, archive: dict[str, Any], waterfall: Path | None,
+             elapsed: float, faults: Faults | None = None) -> int:
     problems: list[str] = []
     exact = truncated_ok = 0
     for (_task, sandbox, episode), rec in sorted(expected.items()):
@@ -255,6 +381,24 @@ def _summary(expected: dict[tuple[str, str, str], Any], manifest: Any, view: Vie
             extra = sorted(set(got) - set(want))[:3]
             problems.append(f"{sandbox}/{episode}: {len(got)} events vs {len(want)} "
                             f"acknowledged (missing {missing}, unexpected {extra})")
+
+    # The replay topics themselves: once each, gaps only where a seq is really missing.
+    if replay.error is not None:
+        problems.append(f"reading the replay topics failed: {replay.error}")
+    twice = false_gaps = 0
+    for (_task, sandbox, episode), rec in sorted(expected.items()):
+        seen = replay.seqs.get((sandbox, episode), Counter())
+        dups = sorted(k for k, n in seen.items() if n > 1)
+        if dups:
+            twice += len(dups)
+            problems.append(f"{sandbox}/{episode}: {len(dups)} events more than once on the "
+                            f"replay topic (e.g. seq {dups[0][0]})")
+        gaps = replay.gaps.get((sandbox, episode))
+        if gaps and not _expects_gap(rec.acked, rec.final_seq):
+            false_gaps += 1
+            problems.append(f"{sandbox}/{episode}: false gap marker(s) {gaps} (every seq was "
+                            "acknowledged)")
+
     planted = {(e.sandbox, e.episode) for e in manifest.loops}
     caught = {(s, ep) for s, ep in view.loop_alerts if ep is not None}
     missed = planted - caught
@@ -266,22 +410,77 @@ def _summary(expected: dict[tuple[str, str, str], Any], manifest: Any, view: Vie
                           if (e.sandbox, e.episode) == (s, ep)), "?")
         problems.append(f"false loop alert on {s}/{ep} ({behaviour})")
 
+    # Lifecycles: every sandbox drained, then recycled once; loss only where a crash was planted.
+    crashed = {e.sandbox for e in manifest.episodes if e.behaviour == "crash"}
+    sandboxes = sorted({e.sandbox for e in manifest.episodes} | set(manifest.sandbox_streams))
+    for sb in sandboxes:
+        ds = view.by_sandbox.get(sb, [])
+        recycles = [d for d in ds if d in ("RECYCLE", "RECYCLE_WITH_LOSS")]
+        if len(recycles) != 1 or "DRAIN" not in ds or ds.index("DRAIN") > ds.index(recycles[0]):
+            problems.append(f"sandbox {sb}: lifecycle decisions {ds} (want DRAIN, then one "
+                            "RECYCLE)")
+        elif recycles == ["RECYCLE_WITH_LOSS"] and sb not in crashed:
+            problems.append(f"sandbox {sb}: RECYCLE_WITH_LOSS, but it did not crash")
+    for a in view.anomalies[:10]:
+        problems.append(f"ANOMALY decision: {a}")
+    if view.dead_letters:
+        problems.append(f"dead letters from a clean fleet: {dict(view.dead_letters)}; e.g. "
+                        + "; ".join(view.dead_letter_examples))
+
+    # The archive: every acknowledged event once (episodes and sandbox-level streams).
+    archived_ok = None
+    if "events" in archive:
+        mine = set(sandboxes)
+        rows: dict[tuple[str, str | None], Counter[tuple[int, str]]] = {}
+        for sb, ep, seq, eid, n in archive["events"]:
+            if sb in mine:
+                rows.setdefault((sb, ep), Counter())[(seq, eid)] += n
+        want_rows: dict[tuple[str, str | None], list[tuple[int, str]]] = {
+            (s, ep): list(r.acked) for (_t, s, ep), r in expected.items()}
+        for sb, stream in manifest.sandbox_streams.items():
+            want_rows[(sb, None)] = [(int(seq), str(eid)) for seq, eid in stream]
+        bad = 0
+        for key, want in sorted(want_rows.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
+            have = rows.pop(key, Counter())
+            wanted = {(int(seq), str(eid)) for seq, eid in want}
+            missing = sorted(wanted - set(have))
+            dups = sorted(k for k, n in have.items() if n > 1)
+            extra = sorted(set(have) - wanted)
+            if missing or dups or extra:
+                bad += 1
+                if bad <= 5:
+                    problems.append(f"archive {key[0]}/{key[1] or '(sandbox)'}: "
+                                    f"{len(missing)} missing, {len(dups)} duplicated, "
+                                    f"{len(extra)} unexpected rows")
+        for key in sorted(rows, key=lambda k: (k[0], k[1] or ""))[:5]:
+            problems.append(f"archive has rows of {key[0]}/{key[1]} that nobody acknowledged")
+        if bad > 5:
+            problems.append(f"... and {bad - 5} more archived streams differ")
+        archived_ok = bad == 0 and not rows
+
     print("\n=== trajbus demo summary ===")
     print(f"elapsed: {elapsed:.1f}s; first replay segment reached the trainer after "
           f"{view.first_segment_s or float('nan'):.2f}s")
+    if faults is not None and faults.log:
+        print("faults injected: " + "; ".join(faults.log))
     print(f"trainer view: {exact}/{len(expected)} episodes exactly equal to what the emitters "
           f"acknowledged (in order, no duplicates); {len(view.truncated)} truncated "
           f"(crashed/recycled), {len(view.gappy)} with gap markers")
+    print(f"replay topics (raw): {twice} events more than once, {false_gaps} false gaps")
     print("events by kind at the trainer: " +
           ", ".join(f"{k}={v}" for k, v in view.kinds.most_common()))
     nonloops = sum(1 for e in manifest.episodes if e.behaviour == "nonloop")
     print(f"watchdog: {len(caught & planted)}/{len(planted)} planted loops caught, "
           f"{len(false_alarms)} false alarms ({nonloops} look-alike non-loops left alone); "
           f"alerts {dict(view.alerts)}")
-    print(f"scheduler decisions: {dict(view.decisions)}")
-    print(f"dead letters: {dict(view.dead_letters) or 'none'}")
+    print(f"scheduler decisions: {dict(view.decisions)}; {len(crashed)} sandboxes crashed on "
+          "purpose")
+    print(f"dead letters: {dict(view.dead_letters) or 'none'}; anomalies: "
+          f"{len(view.anomalies) or 'none'}")
     stats = archive.get("stats")
-    print(f"archive: {archive.get('url')} ({archive.get('seconds', 0):.1f}s; {stats})")
+    print(f"archive: {archive.get('url')} ({archive.get('seconds', 0):.1f}s; {stats})"
+          + ("" if archived_ok is None else
+             "; every acknowledged event archived once" if archived_ok else "; NOT exact"))
     if "rows" in archive:
         print(f"  sample query: trajbus archive sql \"{archive['query']}\"")
         for row in archive["rows"]:
@@ -292,11 +491,12 @@ def _summary(expected: dict[tuple[str, str, str], Any], manifest: Any, view: Vie
         print(f"step-time waterfall of one episode: {waterfall}")
     if problems:
         print(f"\nPROBLEMS ({len(problems)}):")
-        for p in problems[:30]:
+        for p in problems[:40]:
             print(f"  - {p}")
         return 1
-    print("\nOK: every acknowledged event reached the trainer once, in order; every planted "
-          "loop was caught and nothing else was flagged.")
+    print("\nOK: every acknowledged event reached the trainer once, in order, and the archive "
+          "once; every planted loop was caught and nothing else was flagged; every sandbox "
+          "drained and recycled; no dead letters, no anomalies.")
     return 0
 
 
