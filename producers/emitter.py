@@ -27,9 +27,13 @@ Guarantees:
 - **One writer per directory.** The state directory is flock-ed; a second emitter on it raises
   :class:`StateDirLockedError` (the lock dies with the process, so a SIGKILLed emitter's
   directory can be taken over at once).
-- **Secrets never leave.** Tool args/results and trace bytes pass through a
-  :class:`~trajbus.producers.redact.Redactor` built from *this sandbox's* ``env`` before they
-  are encoded or journaled.
+- **Secrets never leave.** Every free-text field of every event -- tool names, args and
+  results, trace bytes, lifecycle and episode-end reasons, liveness probe, target and error,
+  env snapshot, context keys and values, content types, reset reasons, the drain detail --
+  passes through a :class:`~trajbus.producers.redact.Redactor` built from *this sandbox's*
+  ``env`` before it is encoded or journaled. The only string fields written as given are the
+  identifiers, hashes and references listed in :data:`EXACT_FIELDS`. Trace bytes are not
+  scanned for ``image/``, ``video/`` and ``audio/`` content types or with ``redact=False``.
 
 Ordering on Kafka follows seq order per sandbox (one partition, one in-flight batch, idempotent
 producer), except after a failed send is retried; consumers reorder by seq anyway.
@@ -71,6 +75,7 @@ from trajbus.schemas.models import (
 )
 
 __all__ = [
+    "EXACT_FIELDS",
     "AckInfo",
     "DrainReport",
     "EmitterClosedError",
@@ -87,7 +92,37 @@ SUMMARY_CHARS = 256
 CANONICAL_MAX_BYTES = 4096
 MESSAGE_OVERHEAD = 16 * 1024  # room for the envelope and Kafka record/batch headers
 SEND_BATCH = 2000
+CLEAN_TEXT_MAX_CHARS = 128  # free texts up to this long are remembered when clean ...
+CLEAN_TEXT_MAX_ENTRIES = 1024  # ... this many per emitter
 T = TypeVar("T")
+
+#: The string and bytes fields of the events this emitter writes that are NOT free text, with
+#: why each must stay exact (they key, join or dedupe streams, or are hashes and references).
+#: They are written as given. EVERY OTHER string or bytes field of every event kind the emitter
+#: writes is free text and passes this sandbox's :class:`Redactor` before it is encoded or
+#: journaled. Paths: ``<Kind>.<field>[.<field>...]``; ``[]`` = the items of an array, ``{}`` =
+#: the values of a map, ``{key}`` = its keys; ``*`` = every kind (the envelope, ``header``).
+#: ``tests/test_redaction_schema_fields.py`` walks ``schemas/avro/*.avsc`` and plants secrets
+#: in every string/bytes field of every emitted kind that is not listed here: a field added to a
+#: schema fails it until it is redacted (and planted by the test) or listed here with a reason.
+EXACT_FIELDS: Mapping[str, str] = {
+    "*.header.event_id": "event id: generated uuid4 hex (downstream dedup)",
+    "*.header.task": "task id (validate_name alphabet): topic names, archive paths",
+    "*.header.sandbox": "sandbox id (validate_name alphabet): Kafka key, archive paths",
+    "*.header.episode": "episode id (validate_name alphabet): the stream of the seq",
+    "*.header.producer_id": "id of the emitting process",
+    "SandboxLifecycle.node": "node id: the scheduler matches it with NodeReport.node",
+    "SandboxLifecycle.tenant": "tenant id: the scheduler's credit account",
+    "EpisodeStart.tenant": "tenant id: the scheduler's credit account",
+    "ToolCall.call_id": "call id: pairs a ToolCall with its ToolResult",
+    "ToolCall.args_hash": "sha256 hex of the (redacted) canonical args",
+    "ToolResult.call_id": "call id: pairs a ToolCall with its ToolResult",
+    "ToolResult.result_hash": "sha256 hex of the (redacted) canonical result",
+    "TraceChunk.sha256": "sha256 hex of the (redacted) chunk bytes",
+    "TraceChunk.blob.uri": "claim-check reference built from settings and the content hash",
+    "TraceChunk.blob.sha256": "sha256 hex of the (redacted) blob bytes",
+    "Drained.final_seqs[].episode": "episode id (validate_name alphabet)",
+}
 
 
 class QueueFullError(RuntimeError):
@@ -226,6 +261,7 @@ class SandboxEmitter:
         self.max_inline = min(self.settings.topics.max_message_bytes,
                               self.settings.kafka.max_request_size) - MESSAGE_OVERHEAD
         self.redactor = Redactor.for_env(env, p.redact_env)
+        self._clean_text: set[str] = set()  # short free texts the redactor left unchanged
         self._canon = canonicalizer(self.settings.watchdog.ignore_fields)
         self._canon_full = canonicalizer(())
         self._claim = claim_check
@@ -664,7 +700,7 @@ class SandboxEmitter:
         st = LifecycleState(state).value
         eid, _ = await self._emit("SandboxLifecycle", None, {
             "state": st, "previous_state": self._lifecycle, "node": node,
-            "tenant": tenant or self.tenant, "reason": reason,
+            "tenant": tenant or self.tenant, "reason": self._text(reason),
         }, event_time_ms=event_time_ms, extra={"ls": st})
         return eid
 
@@ -678,9 +714,10 @@ class SandboxEmitter:
     async def liveness(self, ok: bool, *, probe: str = "tcp", target: str = "",
                        latency_ms: int = 0, error: str | None = None,
                        event_time_ms: int | None = None) -> str:
+        text = self._text
         eid, _ = await self._emit("LivenessProbe", None, {
-            "probe": probe, "target": target, "ok": ok, "latency_ms": latency_ms,
-            "error": self.redactor.redact_text(error) if error else error,
+            "probe": text(probe), "target": text(target), "ok": ok, "latency_ms": latency_ms,
+            "error": text(error) if error else error,
         }, event_time_ms=event_time_ms)
         return eid
 
@@ -691,9 +728,11 @@ class SandboxEmitter:
                             event_time_ms: int | None = None) -> str:
         """EpisodeStart (seq 0 of the episode's stream). Episode ids are never reused."""
         validate_name("episode", episode)
-        ctx = {k: self.redactor.redact_text(str(v)) for k, v in (context or {}).items()}
+        text = self._text
+        ctx = {text(str(k)): text(str(v)) for k, v in (context or {}).items()}
         eid, _ = await self._emit("EpisodeStart", episode, {
-            "tenant": tenant or self.tenant, "env_snapshot": env_snapshot, "context": ctx,
+            "tenant": tenant or self.tenant,
+            "env_snapshot": text(env_snapshot) if env_snapshot else env_snapshot, "context": ctx,
         }, event_time_ms=event_time_ms, extra={"open": True, "pv": policy_version})
         return eid
 
@@ -707,10 +746,23 @@ class SandboxEmitter:
         if cursor is not None:
             extra["cur"] = list(cursor)
         eid, _ = await self._emit("EpisodeEnd", episode, {
-            "outcome": EpisodeOutcome(outcome).value, "reason": self.redactor.redact_text(reason),
+            "outcome": EpisodeOutcome(outcome).value, "reason": self._text(reason),
             "reward": reward,
         }, event_time_ms=event_time_ms, extra=extra)
         return eid
+
+    def _text(self, text: str) -> str:
+        """A free-text field, redacted (see :data:`EXACT_FIELDS` for what is not). Short texts
+        found clean are remembered -- tool names, content types and probe kinds repeat on
+        every event -- which is exact: this sandbox's redactor never changes, so a text with
+        nothing to redact never has."""
+        if not text or text in self._clean_text:
+            return text
+        out = self.redactor.redact_text(text)
+        if out is text and len(text) <= CLEAN_TEXT_MAX_CHARS and (
+                len(self._clean_text) < CLEAN_TEXT_MAX_ENTRIES):
+            self._clean_text.add(text)
+        return out
 
     def _canonical(self, value: Any) -> tuple[str, str | None, str]:
         """(hash, canonical-if-small, summary) of a redacted JSON-like value."""
@@ -746,7 +798,7 @@ class SandboxEmitter:
         h, small, summary = self._canonical(args)
         cid = call_id or self._new_id()[:16]
         await self._emit("ToolCall", episode, {
-            "call_id": cid, "tool": tool, "args_hash": h, "args_canonical": small,
+            "call_id": cid, "tool": self._text(tool), "args_hash": h, "args_canonical": small,
             "args_summary": summary,
         }, event_time_ms=event_time_ms)
         return cid
@@ -756,7 +808,7 @@ class SandboxEmitter:
                           event_time_ms: int | None = None) -> str:
         h, small, summary = self._canonical(result)
         eid, _ = await self._emit("ToolResult", episode, {
-            "call_id": call_id, "tool": tool, "status": ToolStatus(status).value,
+            "call_id": call_id, "tool": self._text(tool), "status": ToolStatus(status).value,
             "result_hash": h, "result_canonical": small, "result_summary": summary,
             "duration_ms": duration_ms,
         }, event_time_ms=event_time_ms)
@@ -769,7 +821,12 @@ class SandboxEmitter:
         """A TraceChunk on ``Topics.trace_chunks``. ``data`` is redacted in place (length kept,
         so offsets stay valid); above the claim-check threshold (or the message limit) it is
         stored once in object storage and the event carries a BlobRef. ``cursor`` =
-        (name, JSON value) is journaled atomically with the event (the tailer's offsets)."""
+        (name, JSON value) is journaled atomically with the event (the tailer's offsets).
+        ``content_type`` and ``reset`` are redacted as text; ``redact=False`` (or a media
+        content type) sends ``data`` unscanned."""
+        content_type = self._text(content_type)
+        if reset:
+            reset = self._text(reset)
         if redact and not content_type.startswith(("image/", "video/", "audio/")):
             data = self.redactor.redact_bytes(data)
         sha = hashlib.sha256(data).hexdigest()
@@ -811,8 +868,9 @@ class SandboxEmitter:
             drained_id, rid = await self._emit("Drained", None, {
                 "final_seqs": [{"episode": e, "final_seq": s} for e, s in final.items()],
                 "complete": before == 0, "unflushed": before,
-                "detail": detail or (f"{before} events unacknowledged at the deadline; last "
-                                     f"error: {self.last_error}" if before else ""),
+                "detail": self._text(detail or (
+                    f"{before} events unacknowledged at the deadline; last error: "
+                    f"{self.last_error}" if before else "")),
             }, force=True)
             drained_acked = await self._wait_acked(rid, end - loop.time())
         except (JournalError, EmitterClosedError, ValueError) as exc:
@@ -899,8 +957,8 @@ class SyncEmitter:
     def flush(self, timeout: float | None = None) -> bool:
         return self._call(self.emitter.flush, timeout)
 
-    def drain(self, deadline_s: float | None = None) -> DrainReport:
-        return self._call(self.emitter.drain, deadline_s)
+    def drain(self, deadline_s: float | None = None, *, detail: str = "") -> DrainReport:
+        return self._call(self.emitter.drain, deadline_s, detail=detail)
 
     def close(self, timeout: float = 10.0) -> bool:
         return self._call(self.emitter.close, timeout)
