@@ -8,12 +8,13 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast lint bench setup jars browser clean help
+.PHONY: demo test test-fast lint bench soak setup jars browser clean help
 
 help:
 	@echo "make demo   - run the main job: local Kafka, processors, simulated fleet, archive"
 	@echo "make test   - set up and run the whole test suite against a real local broker"
 	@echo "make bench  - run the benchmarks under bench/ and write BENCHMARKS.md"
+	@echo "make soak   - the pipeline 10x under stress (CPU hogs, worker SIGKILL, broker restarts)"
 	@echo "make lint   - ruff + mypy"
 
 setup: $(STAMP) jars browser
@@ -50,6 +51,9 @@ lint: $(STAMP)
 
 bench: setup
 	$(PY) bench/run_all.py
+
+soak: setup
+	$(PY) tests/soak.py $(SOAK_ARGS)
 
 clean:
 	rm -rf .trajbus build *.egg-info

@@ -1,0 +1,174 @@
+"""The soak: the whole pipeline run back to back under stress, every run checked exactly.
+
+    make soak                                   # 10 runs (the issue's bar), ~10-15 minutes
+    .venv/bin/python tests/soak.py --runs 3     # fewer; --help for every knob
+
+Each run is `trajbus demo`'s pipeline (simulated fleet with loops, crashes, migrations,
+re-sent duplicates and out-of-order delivery -> worker -> trainer -> archiver) with its own
+topic prefix, on ONE private broker shared by all runs, while:
+
+- the CPU is saturated by competing busy processes (``--hogs``, default: one per core);
+- the worker is SIGKILLed mid-run and restarted (every run, at a different moment);
+- the broker is restarted mid-run (runs 1, 3, 5, ...) and before the run (runs 2, 4, ...).
+
+A run passes only if the demo's check passes: every acknowledged event reached the trainer
+once and in order, the replay topics hold each event once with no false gap, every planted
+loop was caught and nothing else, every sandbox drained and recycled, no dead letter, no
+anomaly, and the archive holds every acknowledged event once. The results go to
+``.trajbus/soak/results.jsonl`` (one line per run: conditions, seconds, pass/fail) and a
+table at the end; the exit status is non-zero if any run failed. RELIABILITY.md records them.
+
+``tests/test_soak_short.py`` runs one such run (worker kill + broker restart + hogs) in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from trajbus.bus.settings import ArchiveSettings, KafkaSettings, Settings, TopicSettings
+from trajbus.demo import isolated_run
+from trajbus.infra.broker import LocalBroker, free_port
+from trajbus.pipeline_demo import Faults, run_pipeline
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class RunResult:
+    run: int
+    seed: int
+    ok: bool
+    seconds: float
+    faults: list[str]
+    broker_restarted_before: bool
+    output_tail: str = ""
+
+
+@contextlib.contextmanager
+def cpu_hogs(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``n`` processes spinning on a core each, for the duration."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait(timeout=10)
+
+
+async def soak_run(settings: Settings, broker: LocalBroker, run: int, seed: int, *,
+                   sandboxes: int, episodes: int, work_root: Path, restart_mid_run: bool,
+                   rng: random.Random) -> RunResult:
+    """One checked pipeline run with a worker SIGKILL (and a broker restart mid-run)."""
+    import io
+    from contextlib import redirect_stdout
+
+    async def restart_broker() -> None:
+        await asyncio.to_thread(broker.restart, 120)
+
+    faults = Faults(kill_worker_after_s=rng.uniform(1.0, 8.0),
+                    restart_broker_after_s=rng.uniform(2.0, 10.0) if restart_mid_run else None,
+                    restart_broker=restart_broker if restart_mid_run else None)
+    run_settings = isolated_run(settings, seed)
+    out = io.StringIO()
+    t0 = time.monotonic()
+    try:
+        with redirect_stdout(out):
+            code = await run_pipeline(run_settings, sandboxes, episodes, seed,
+                                      work_root=work_root, settle_timeout_s=300, faults=faults)
+    except Exception:  # a run that blows up is a failed run, recorded; the soak goes on
+        import traceback
+
+        code = 1
+        out.write(traceback.format_exc())
+    text = out.getvalue()
+    print(text, flush=True)
+    return RunResult(run, seed, code == 0, round(time.monotonic() - t0, 1), faults.log,
+                     False, text[-3000:] if code else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=10, help="pipeline runs (default 10)")
+    ap.add_argument("--sandboxes", type=int, default=40, help="sandboxes per run (default 40)")
+    ap.add_argument("--episodes", type=int, default=3, help="episodes per sandbox (default 3)")
+    ap.add_argument("--hogs", type=int, default=os.cpu_count() or 2,
+                    help="busy processes competing for the CPU (default: one per core)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="first run's seed (default: from the clock; printed)")
+    ap.add_argument("--work", type=Path, default=REPO / ".trajbus" / "soak",
+                    help="work directory: broker data, run logs, results.jsonl")
+    args = ap.parse_args(argv)
+    return asyncio.run(_soak(args))
+
+
+async def _soak(args: argparse.Namespace) -> int:
+    seed0 = args.seed if args.seed is not None else int(time.time()) % 100_000
+    rng = random.Random(seed0)
+    work: Path = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    results_path = work / "results.jsonl"
+    broker = LocalBroker(data_dir=work / f"kafka-{seed0}", port=free_port(),
+                         controller_port=free_port())
+    print(f"[soak] seed {seed0}: {args.runs} runs of {args.sandboxes} sandboxes x "
+          f"{args.episodes} episodes, {args.hogs} CPU hogs, broker on {broker.bootstrap}",
+          flush=True)
+    broker.start(timeout=120)
+    settings = Settings(kafka=KafkaSettings(bootstrap_servers=broker.bootstrap),
+                        topics=TopicSettings(prefix="soak"),
+                        archive=ArchiveSettings(url=str(work / "archive"),
+                                                spool_dir=str(work / "spool")))
+    results: list[RunResult] = []
+    try:
+        with cpu_hogs(args.hogs):
+            for i in range(args.runs):
+                restart_mid_run = i % 2 == 0
+                restarted_before = False
+                if i > 0 and not restart_mid_run:
+                    await asyncio.to_thread(broker.restart, 120)
+                    restarted_before = True
+                seed = seed0 + i
+                print(f"[soak] run {i + 1}/{args.runs} (seed {seed}): worker SIGKILL mid-run"
+                      + (", broker restart mid-run" if restart_mid_run else "")
+                      + (", broker restarted before" if restarted_before else ""), flush=True)
+                res = await soak_run(settings, broker, i + 1, seed, sandboxes=args.sandboxes,
+                                     episodes=args.episodes, work_root=work / "runs",
+                                     restart_mid_run=restart_mid_run, rng=rng)
+                res.broker_restarted_before = restarted_before
+                results.append(res)
+                with results_path.open("a") as f:
+                    f.write(json.dumps({**res.__dict__, "hogs": args.hogs,
+                                        "sandboxes": args.sandboxes,
+                                        "episodes": args.episodes,
+                                        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                            time.gmtime())}) + "\n")
+                print(f"[soak] run {i + 1}: {'PASS' if res.ok else 'FAIL'} in {res.seconds}s",
+                      flush=True)
+    finally:
+        broker.stop(timeout=30)
+    passed = sum(r.ok for r in results)
+    print(f"\n=== soak: {passed}/{len(results)} runs exact ({args.hogs} CPU hogs; worker "
+          f"SIGKILLed in every run; broker restarted mid-run in runs 1, 3, ...; before the "
+          f"run in runs 2, 4, ...) ===")
+    for r in results:
+        print(f"run {r.run:2d} seed {r.seed}: {'PASS' if r.ok else 'FAIL'} {r.seconds:6.1f}s  "
+              + "; ".join(r.faults))
+    print(f"results appended to {results_path}")
+    return 0 if passed == len(results) and results else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
