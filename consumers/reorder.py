@@ -79,7 +79,9 @@ Guarantees (per episode, keyed by ``(sandbox, episode)``):
   changed since the last call (``"sandbox/episode"`` per episode, ``"sandbox/"`` per
   recycled sandbox, ``"@clock"`` for the clock; ``None`` when deleted). Feeding the latest
   blob of every key to :meth:`ReorderCore.restore` of a fresh core resumes with outputs
-  identical to an uninterrupted run.
+  identical to an uninterrupted run. Restoring a key several times (a changelog not yet
+  compacted) costs no more memory than restoring its latest record: timers are armed once per
+  restored key, before the next ``handle``/``tick``.
 """
 
 from __future__ import annotations
@@ -375,6 +377,7 @@ class ReorderCore:
         self._dirty: set[tuple[str, str | None]] = set()  # deleted eps, recycled sandboxes
         self._dirty_eps: set[_Ep] = set()
         self._next_due = _NEVER  # lower bound of the earliest timer/gap deadline
+        self._restored: set[tuple[str, str]] = set()  # keys whose timers are not armed yet
         self._buffered = 0
         self._buffered_bytes = 0
         self._c = dict.fromkeys(
@@ -395,6 +398,8 @@ class ReorderCore:
 
     def handle(self, ev: InEvent) -> list[Output]:
         """Process one event; returns outputs in emission order. Never raises."""
+        if self._restored:
+            self._arm_restored()
         try:
             _, sandbox, episode, seq, t, kind, raw, digest, outcome, _, _, log_t = ev
             if type(t) is int:
@@ -489,6 +494,8 @@ class ReorderCore:
     def tick(self, now_ms: int) -> list[Output]:
         """Advance the clock to ``now_ms`` (never backwards) and fire due timeouts."""
         out: list[Output] = []
+        if self._restored:
+            self._arm_restored()
         if now_ms > self._clock:
             self._clock = now_ms
         self._now = self._clock
@@ -565,7 +572,7 @@ class ReorderCore:
                 (dl,) = _Q.unpack_from(blob, 2)
                 sb, _ = _ustr(blob, 10)
                 self._recycled[sb] = dl
-                self._push_timer(dl + self._ttl, _TIMER_SANDBOX, (sb, ""))
+                self._restored.add((sb, ""))
             elif tag == _V_EP:
                 self._unpack(blob)
             else:
@@ -1043,8 +1050,8 @@ class ReorderCore:
                 ep.ring[s % self._w] = old_ring[s % old_w]
         self._eps[key] = ep
         ep.expect = -1
+        self._restored.add(key)
         if ep.closed:
-            self._push_timer(expire_at, _TIMER_TOMBSTONE, key)
             return
         self._by_sandbox.setdefault(sb, set()).add(episode)
         if buf:
@@ -1053,13 +1060,31 @@ class ReorderCore:
                 ep.buf_bytes += len(raw)
                 self._buffered += 1
                 self._buffered_bytes += len(raw)
-            self._push_gap(gap_since + self._timeout, key)
         elif ep.stop < 0:
             ep.expect = ns
-        if recycle_at >= 0:
-            self._push_timer(recycle_at, _TIMER_RECYCLE, key)
-        if self._idle is not None:
-            self._push_timer(active + self._idle, _TIMER_IDLE, key)
+
+    def _arm_restored(self) -> None:
+        """Arm the timers of every key restored since the last input, once per key, from the
+        state it ended up with (a key restored many times gets the timers of the last)."""
+        for key in sorted(self._restored):
+            if key[1] == "":  # a recycled sandbox
+                dl = self._recycled.get(key[0])
+                if dl is not None:
+                    self._push_timer(dl + self._ttl, _TIMER_SANDBOX, key)
+                continue
+            ep = self._eps.get(key)
+            if ep is None:
+                continue
+            if ep.closed:
+                self._push_timer(ep.expire_at, _TIMER_TOMBSTONE, key)
+                continue
+            if ep.buf:
+                self._push_gap(ep.gap_since + self._timeout, key)
+            if ep.recycle_at >= 0:
+                self._push_timer(ep.recycle_at, _TIMER_RECYCLE, key)
+            if self._idle is not None:
+                self._push_timer(ep.active + self._idle, _TIMER_IDLE, key)
+        self._restored.clear()
 
 
 # -- ReplaySegment builders ------------------------------------------------------------------

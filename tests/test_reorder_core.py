@@ -632,3 +632,34 @@ def test_the_open_episode_limit_survives_a_restore_from_the_changelog() -> None:
     out = run(restored, [ev(0, ep="e2")])
     assert [o.reason_code for o in out if isinstance(o, DeadLetterOut)] == [
         "too_many_open_episodes"]
+
+
+def _timer_entries(c: ReorderCore) -> int:
+    return len(c._timers) + len(c._gap_heap)
+
+
+def test_restoring_a_key_many_times_leaves_the_timers_of_one_restore() -> None:
+    """A changelog not yet compacted holds many records per key; the restored core must not
+    keep one timer per record (422 MB after a restore at scale), but what restoring the latest
+    record alone leaves."""
+    c = core(idle_timeout_ms=60_000)
+    blobs: list[tuple[str, bytes]] = []
+    run(c, [ev(0, t=1), ev(2, t=2)])  # a stalled episode: gap, idle timers
+    run(c, [recycled("sb1", t=3)])  # and a recycle deadline, on a second sandbox key
+    for i in range(1_000):  # the episode's state written many times
+        run(c, [ev(3 + i, t=3)])
+        blobs += [(k, v) for k, v in c.take_dirty().items() if v is not None]
+    once = core(idle_timeout_ms=60_000)
+    for k, v in c.snapshot().items():
+        once.restore(k, v)
+    many = core(idle_timeout_ms=60_000)
+    for k, v in blobs:
+        many.restore(k, v)
+    for k, v in c.snapshot().items():
+        many.restore(k, v)
+    assert many.tick(0) == once.tick(0) == []  # timers are armed before the first input
+    assert c.counters()["episodes_open"] == 1 and c.counters()["buffered"] == 1_001
+    assert _timer_entries(many) == _timer_entries(once) == 4  # gap, idle, recycle, sandbox
+    assert _timer_entries(once) <= _timer_entries(c)  # no more than the uninterrupted run
+    # and the restored timers fire as the uninterrupted run's do
+    assert many.tick(10**9) == once.tick(10**9) == c.tick(10**9)
