@@ -37,17 +37,23 @@ Inputs (``handle(kind, record)``; ``record["header"]`` is the Envelope)
     RECYCLED while DRAINING is noted (``reported_recycled``) but the slot still waits for the
     drain confirmation or the grace window: the scheduler alone frees slots. PROVISIONING for an
     unknown sandbox *adopts* it (node/tenant from the event, no reservation); any other state for
-    an unknown sandbox is an ``ANOMALY``.
+    an unknown sandbox is an ``ANOMALY``. For a sandbox whose request is still **queued**:
+    PROVISIONING / ACTIVE is an ``ANOMALY`` (it runs without a placement); DRAINING / RECYCLED
+    withdraws the request (see *Queued sandboxes*).
 ``Heartbeat``
     Renews the lease of a placed / provisioning / active sandbox:
     ``deadline = max(deadline, event_time + min(lease_ttl_ms, missed × heartbeat_interval))``
-    (10 min by default either way). When ``now`` passes the deadline: ``RECLAIM`` and the drain
-    starts. A heartbeat newer than a sandbox's recycle time is an ``ANOMALY`` (zombie).
+    (10 min by default either way). The lease covers its deadline (a heartbeat stamped exactly
+    at the deadline renews it); once ``now`` has passed it (``deadline + 1``): ``RECLAIM``,
+    stamped ``deadline + 1``, and the drain starts. The reason and ``details.missed_heartbeats``
+    give the heartbeats that fell due since the last renewal and did not come:
+    ``(reclaim time - last renewal) // heartbeat_interval`` (2 by default; fewer when a short
+    lease TTL ran out first). A heartbeat newer than a sandbox's recycle time is an
+    ``ANOMALY`` (zombie).
 ``LivenessProbe``
     ``liveness_failures_to_drain`` (3) consecutive failures -> ``DRAIN``; a success resets.
 ``TrainerRelease``
-    ``DRAIN`` ("no longer needed"). For a request still queued: the request is withdrawn and a
-    ``RECYCLE`` decision (``details.queued = "true"``) closes it.
+    ``DRAIN`` ("no longer needed"). For a request still queued: the request is withdrawn.
 ``WatchdogAlert``
     The watchdog input taken by the scheduler is the **alert**: ``alert == LOOP`` and
     ``dry_run == False`` -> ``TERMINATE`` with ``suspicious=True``, the sandbox is marked
@@ -57,6 +63,7 @@ Inputs (``handle(kind, record)``; ``record["header"]`` is the Envelope)
     (``handle("SchedulingDecision", ...)`` is accepted and ignored).
 ``Drained``
     The emitter's flush report: final sequence per open episode, ``complete``, ``unflushed``.
+    From a sandbox still queued: the request is withdrawn.
 ``ReplayAck`` (not an Avro kind; the shell builds it)
     ``{"sandbox": str, "episode": str, "last_seq": int, "event_time_ms": int (optional),
     "event_id": str (optional)}``: downstream (the ordered-replay stage) has processed the
@@ -83,8 +90,27 @@ A request is admitted while ``usage + cpu <= burst_factor × credit`` (1.5×); o
 credit for ``tenant_burst_max_ms`` without a break the tenant is **demoted** (``DEMOTE``): while
 demoted it is admitted only up to 1.0× credit, and its queue yields to non-demoted tenants.
 Demotion lifts when usage drops back to credit. Queues are FIFO per tenant; when credit or
-capacity frees (a recycle, a node report with more headroom, a tick) heads are retried in order
-(non-demoted first, then arrival), each admission giving ``ADMIT`` then ``PLACE``.
+capacity frees (a recycle, a node report with more headroom, a tick, a withdrawn request) heads
+are retried in order (non-demoted first, then arrival), each admission giving ``ADMIT`` then
+``PLACE``.
+
+Queued sandboxes
+================
+
+A sandbox whose request waits in a queue is known; it holds no node and no credit, and its lease
+starts when it is placed. A runtime that waits for its placement sends nothing meanwhile;
+from one that does not:
+
+* heartbeats and liveness probes are counted (``stats``: ``queued_heartbeat``,
+  ``queued_probe``) and otherwise ignored: there is no lease to renew and nothing placed to
+  drain (never a dead letter);
+* PROVISIONING / ACTIVE is an ``ANOMALY`` (it runs without a placement);
+* the sandbox ending before placement -- it reports DRAINING or RECYCLED, sends ``Drained``,
+  the trainer releases it, or a watchdog LOOP alert (``TERMINATE`` first) -- **withdraws** the
+  request: it leaves the queue and a ``RECYCLE`` with ``details.queued = "true"`` closes it. It
+  is never placed afterwards, so nothing is reserved for a sandbox that is gone. It is kept as a
+  Recycled record without node or credit (``recycled_retention_ms``, like any recycled
+  sandbox), so the rest of its ending and a redelivered request are recognised as no-ops.
 
 Persistence
 ===========
@@ -562,9 +588,10 @@ class SchedulerCore:
                 sb = self._sb.get(key)
                 if sb is None or sb.lease_q != d or sb.state not in LEASED:
                     continue
-                if sb.lease_deadline > d:
-                    sb.lease_q = sb.lease_deadline
-                    heapq.heappush(heap, (sb.lease_deadline, _LEASE, key))
+                expiry = sb.lease_deadline + 1
+                if expiry > d:  # renewed since this entry was pushed
+                    sb.lease_q = expiry
+                    heapq.heappush(heap, (expiry, _LEASE, key))
                     continue
                 self._reclaim(sb, out)
             elif kind == _DRAIN:
@@ -587,8 +614,10 @@ class SchedulerCore:
 
     def _schedule_sandbox(self, sb: SandboxState) -> None:
         if sb.state in LEASED:
-            sb.lease_q = sb.lease_deadline
-            heapq.heappush(self._heap, (sb.lease_deadline, _LEASE, sb.sandbox))
+            # The lease covers its deadline: it expires 1 ms after it (a heartbeat stamped
+            # exactly at the deadline still renews it).
+            sb.lease_q = sb.lease_deadline + 1
+            heapq.heappush(self._heap, (sb.lease_q, _LEASE, sb.sandbox))
         elif sb.state == DRAINING:
             heapq.heappush(self._heap, (sb.drain_deadline, _DRAIN, sb.sandbox))
         elif sb.state == RECYCLED:
@@ -653,6 +682,12 @@ class SchedulerCore:
         sb = self._sb.get(sid)
         if sb is None:
             if sid in self._queued:
+                if state in (DRAINING, RECYCLED):  # it ended before it was placed
+                    sb = self._withdraw_queued(
+                        sid, out, f"sandbox reported {state} while queued: request withdrawn "
+                        "(never placed)", [eid], reported=state)
+                    sb.seq_lifecycle = seq
+                    return
                 self._anomaly(out, f"lifecycle {state} for a sandbox that is still queued", sid,
                               h.get("task"), eid, {"state": state})
                 return
@@ -709,6 +744,9 @@ class SchedulerCore:
         elif type(ttl) is not int or ttl <= 0:
             raise ValueError(f"lease_ttl_ms must be a positive int, got {ttl!r}")
         if sb is None:
+            if sid in self._queued:  # known, but no lease to renew until it is placed
+                self._count("queued_heartbeat")
+                return
             out.append(DeadLetterOut("unknown_sandbox", f"heartbeat for unknown sandbox {sid!r}",
                                      "Heartbeat", h.get("event_id")))
             return
@@ -741,6 +779,9 @@ class SchedulerCore:
             raise ValueError(f"ok must be a bool, got {ok!r}")
         sb = self._sb.get(sid)
         if sb is None:
+            if sid in self._queued:  # known, but nothing runs to be drained yet
+                self._count("queued_probe")
+                return
             out.append(DeadLetterOut("unknown_sandbox", f"probe for unknown sandbox {sid!r}",
                                      "LivenessProbe", h.get("event_id")))
             return
@@ -777,24 +818,13 @@ class SchedulerCore:
         eid = h.get("event_id") or ""
         sb = self._sb.get(sid)
         if sb is None:
-            tenant = self._queued.get(sid)
-            if tenant is None:
+            if sid not in self._queued:
                 out.append(DeadLetterOut("unknown_sandbox",
                                          f"release for unknown sandbox {sid!r}",
                                          "TrainerRelease", eid))
                 return
-            t = self._tenants[tenant]
-            entry = next(e for e in t.queue if e["sandbox"] == sid)
-            t.queue.remove(entry)
-            del self._queued[sid]
-            if not t.queue:
-                self._queued_tenants.discard(tenant)
-            self._dirty_tenant.add(tenant)
-            self._decide(out, DecisionKind.RECYCLE,
-                         "request withdrawn by the trainer while queued (never placed)",
-                         sandbox=sid, task=entry["task"], tenant=tenant,
-                         request_id=entry["request_id"], details={"queued": "true"},
-                         causes=[eid])
+            self._withdraw_queued(
+                sid, out, "request withdrawn by the trainer while queued (never placed)", [eid])
             return
         if sb.state in LEASED:
             self._start_drain(sb, out, DecisionKind.DRAIN,
@@ -808,14 +838,12 @@ class SchedulerCore:
             return
         sb = self._sb.get(sid)
         eid = h.get("event_id") or ""
-        if sb is None:
+        if sb is None and sid not in self._queued:
             out.append(DeadLetterOut("unknown_sandbox", f"alert for unknown sandbox {sid!r}",
                                      "WatchdogAlert", eid))
             return
-        if sb.state == RECYCLED or sb.suspicious:
+        if sb is not None and (sb.state == RECYCLED or sb.suspicious):
             return
-        sb.suspicious = True
-        self._dirty_sb.add(sid)
         details = {
             "alert": "LOOP", "repeat_count": str(rec.get("repeat_count", 0)),
             "span_ms": str(rec.get("span_ms", 0)),
@@ -823,6 +851,17 @@ class SchedulerCore:
             "order": "cut_resources,terminate,drain_data",
         }
         reason = "watchdog: agent loop" + (f" ({rec['reason']})" if rec.get("reason") else "")
+        if sb is None:  # running while still queued: terminate it; the request is withdrawn
+            entry = self._queued_entry(sid)
+            self._decide(out, DecisionKind.TERMINATE, reason, sandbox=sid, task=entry["task"],
+                         tenant=entry["tenant"], request_id=entry["request_id"],
+                         suspicious=True, details={**details, "queued": "true"}, causes=[eid])
+            self._withdraw_queued(
+                sid, out, "request withdrawn: the watchdog terminated the sandbox while it "
+                "was queued (never placed)", [eid], suspicious=True)
+            return
+        sb.suspicious = True
+        self._dirty_sb.add(sid)
         if sb.state in LEASED:
             self._start_drain(sb, out, DecisionKind.TERMINATE, reason, [eid], details)
         else:  # already draining: terminate it anyway, the grace window keeps running
@@ -838,13 +877,23 @@ class SchedulerCore:
 
     # -- drain / recycle ----------------------------------------------------------------------
     def _reclaim(self, sb: SandboxState, out: list[Output]) -> None:
+        """The lease's deadline has passed (``now == deadline + 1``). The reason counts the
+        heartbeats that fell due since the last renewal and did not come."""
+        interval = self.settings.heartbeat_interval_ms
+        missed = (self._now - sb.last_renewal_ms) // interval if interval > 0 else 0
+        noun = "heartbeat" if missed == 1 else "heartbeats"
+        why = f"missed {missed} {noun}"
+        if missed == 0:
+            why += (f": its lease of {min(sb.lease_ttl_ms, self._lease_window)} ms is shorter "
+                    f"than the {interval} ms heartbeat interval")
         self._start_drain(
             sb, out, DecisionKind.RECLAIM,
-            f"lease expired at {sb.lease_deadline}: no heartbeat since {sb.last_renewal_ms} "
-            f"(missed {self.settings.missed_heartbeats_to_reclaim} heartbeats)",
+            f"lease deadline {sb.lease_deadline} passed with no heartbeat since "
+            f"{sb.last_renewal_ms} ({why})",
             [sb.renewal_event_id],
             {"lease_deadline_ms": str(sb.lease_deadline),
-             "last_renewal_ms": str(sb.last_renewal_ms)},
+             "last_renewal_ms": str(sb.last_renewal_ms), "missed_heartbeats": str(missed),
+             "heartbeat_interval_ms": str(interval)},
         )
 
     def _start_drain(self, sb: SandboxState, out: list[Output], kind: DecisionKind, reason: str,
@@ -876,11 +925,17 @@ class SchedulerCore:
         unflushed = int(rec.get("unflushed", 0) or 0)
         sb = self._sb.get(sid)
         eid = h.get("event_id") or ""
+        seq = int(h["seq"])
         if sb is None:
+            if sid in self._queued:  # it drained before it was placed
+                sb = self._withdraw_queued(
+                    sid, out, "sandbox drained while queued: request withdrawn (never placed)",
+                    [eid], reported=DRAINING)
+                sb.seq_drained = seq
+                return
             out.append(DeadLetterOut("unknown_sandbox", f"drained for unknown sandbox {sid!r}",
                                      "Drained", eid))
             return
-        seq = int(h["seq"])
         if seq <= sb.seq_drained:
             self._count("duplicate")
             return
@@ -1186,6 +1241,39 @@ class SchedulerCore:
                                   "queue_left": str(len(t.queue))},
                          causes=[e["event_id"]])
             self._place(t, e, pl, out)
+
+    def _queued_entry(self, sid: str) -> dict[str, Any]:
+        t = self._tenants[self._queued[sid]]
+        return next(e for e in t.queue if e["sandbox"] == sid)
+
+    def _withdraw_queued(self, sid: str, out: list[Output], reason: str, causes: list[str], *,
+                         reported: str = PLACED, suspicious: bool = False) -> SandboxState:
+        """A queued request ends before placement (the trainer released it, the sandbox
+        drained, recycled or was terminated): it leaves the queue and a ``RECYCLE``
+        (``details.queued = "true"``) closes it. The sandbox is kept as a Recycled record that
+        holds no node and no credit, so its later reports and a redelivered request are
+        recognised (never placed) until the record is purged like any recycled sandbox."""
+        entry = self._queued_entry(sid)
+        tenant = self._queued.pop(sid)
+        t = self._tenants[tenant]
+        t.queue.remove(entry)
+        if not t.queue:
+            self._queued_tenants.discard(tenant)
+        self._dirty_tenant.add(tenant)
+        sb = SandboxState(
+            sandbox=sid, task=entry["task"], state=RECYCLED, reported=reported, tenant=tenant,
+            request_id=entry["request_id"], lease_ttl_ms=entry["ttl_ms"], suspicious=suspicious,
+            drain_reason=reason, recycled_ms=self._now,
+        )
+        self._sb[sid] = sb
+        self._dirty_sb.add(sid)
+        heapq.heappush(self._heap, (self._now + self.recycled_retention_ms, _PURGE, sid))
+        self._decide(out, DecisionKind.RECYCLE, reason, sb=sb,
+                     details={"queued": "true", "waited_ms": str(self._now - entry["queued_ms"])},
+                     causes=causes)
+        if self._queued_tenants:  # the queue it left may now admit the next request
+            self._admit(out)
+        return sb
 
     def _demote(self, t: TenantState, out: list[Output]) -> None:
         t.demoted = True

@@ -183,7 +183,7 @@ def test_lifecycle_of_recycled_sandbox_going_back_is_an_anomaly() -> None:
 def test_reports_lagging_behind_the_schedulers_decisions_are_not_anomalies() -> None:
     core, log = SchedulerCore(), Log()
     run(core, [log.lifecycle("s1", T0, "PROVISIONING", node="n1")])
-    assert kinds(run(core, [tick(T0 + 10 * MIN)])) == ["RECLAIM"]
+    assert kinds(run(core, [tick(T0 + 10 * MIN + 1)])) == ["RECLAIM"]
     assert run(core, [log.lifecycle("s1", T0 + 10 * MIN + 5, "ACTIVE"),
                       log.lifecycle("s1", T0 + 10 * MIN + 9, "DRAINING")]) == []
     assert sbx(core, "s1").state == "DRAINING"
@@ -272,20 +272,24 @@ def test_two_missed_heartbeats_reclaim_on_the_tick_that_passes_the_deadline() ->
     core, log = SchedulerCore(), Log()
     active_sandbox(core, log, "s1", T0)
     run(core, [log.heartbeat("s1", T0 + 5 * MIN)])
-    assert run(core, [tick(T0 + 10 * MIN), tick(T0 + 15 * MIN - 1)]) == []  # one beat missed
-    out = run(core, [tick(T0 + 15 * MIN)])  # second beat missed: 10 min since the last one
+    assert run(core, [tick(T0 + 10 * MIN), tick(T0 + 15 * MIN)]) == []  # one beat missed; the
+    # second is due at the deadline (10 min after the last): the lease still covers it
+    out = run(core, [tick(T0 + 15 * MIN + 1)])  # the deadline has passed
     (d,) = decisions(out)
-    assert d.decision == "RECLAIM" and d.time_ms == T0 + 15 * MIN and d.sandbox == "s1"
+    assert d.decision == "RECLAIM" and d.time_ms == T0 + 15 * MIN + 1 and d.sandbox == "s1"
+    assert "missed 2 heartbeats" in d.reason
     assert sbx(core, "s1").state == "DRAINING"
 
 
-def test_reclaim_without_ticks_fires_on_the_next_event_stamped_at_the_deadline() -> None:
+def test_reclaim_without_ticks_fires_on_the_next_event_stamped_at_its_expiry() -> None:
+    """Without ticks the RECLAIM comes with the next event past the deadline, stamped with the
+    lease's expiry (deadline + 1 ms), exactly as a tick there would have made it."""
     core, log = SchedulerCore(), Log()
     active_sandbox(core, log, "s1", T0)
     active_sandbox(core, log, "s2", T0 + 9 * MIN)
     out = run(core, [log.heartbeat("s2", T0 + 10 * MIN + 10_000)])  # unrelated event: time on
     (d,) = decisions(out)
-    assert (d.decision, d.sandbox, d.time_ms) == ("RECLAIM", "s1", T0 + 1000 + 10 * MIN)
+    assert (d.decision, d.sandbox, d.time_ms) == ("RECLAIM", "s1", T0 + 1000 + 10 * MIN + 1)
 
 
 def test_heartbeat_with_shorter_ttl_and_late_heartbeat_never_shorten_the_lease() -> None:
@@ -732,3 +736,273 @@ def test_cpu_only_work_keeps_off_gpu_nodes_unless_nothing_else_fits() -> None:
     assert d.node == "cpu" and d.scores["gpu_reserve"] == 0.0
     (d2,) = decisions(run(core, [request("s2", T0 + 2, cpu=8, mem=1024)]))
     assert d2.node == "gpu" and d2.scores["gpu_reserve"] < 0  # the only node with room
+
+
+# -- 7. edges: lease deadline, queued sandboxes (issue 14, finding 4) -------------------------
+@pytest.mark.parametrize("with_ticks", [False, True])
+def test_heartbeat_exactly_at_the_lease_deadline_renews_it(with_ticks: bool) -> None:
+    """The lease covers its deadline: one beat missed, the next arriving exactly at the
+    deadline keeps the sandbox; only a moment strictly after the deadline reclaims it."""
+    core, log = SchedulerCore(), Log()
+    active_sandbox(core, log, "s1", T0)
+    deadline = sbx(core, "s1").lease_deadline  # ACTIVE at T0 + 1000 renewed it: + 10 min
+    assert deadline == T0 + 1000 + 10 * MIN
+    events = [tick(deadline)] if with_ticks else []  # the beat at deadline - 5 min is missed
+    assert run(core, [*events, log.heartbeat("s1", deadline)]) == []
+    assert sbx(core, "s1").state == "ACTIVE"
+    assert sbx(core, "s1").lease_deadline == deadline + 10 * MIN
+    assert run(core, [tick(deadline + 10 * MIN)]) == []  # at the new deadline: still leased
+    (d,) = decisions(run(core, [tick(deadline + 10 * MIN + 1)]))
+    assert (d.decision, d.time_ms) == ("RECLAIM", deadline + 10 * MIN + 1)
+    assert "missed 2 heartbeats" in d.reason and d.details["missed_heartbeats"] == "2"
+
+
+@pytest.mark.parametrize(("ttl", "missed_to_reclaim", "missed"), [
+    (10 * MIN, 2, 2),  # the reference: two 5-minute beats missed
+    (7 * MIN, 2, 1),   # a 7-minute lease runs out after one missed beat
+    (3_000, 2, 0),     # a lease shorter than the heartbeat interval: no beat was due yet
+    (20 * MIN, 3, 3),  # three missed beats configured
+])
+def test_reclaim_reason_gives_the_real_number_of_missed_heartbeats(
+        ttl: int, missed_to_reclaim: int, missed: int) -> None:
+    s = SchedulerSettings(lease_ttl_ms=ttl, missed_heartbeats_to_reclaim=missed_to_reclaim)
+    core, log = SchedulerCore(s), Log()
+    run(core, [log.lifecycle("s1", T0, "PROVISIONING", node="n1")])  # adopted: renewed at T0
+    window = min(ttl, missed_to_reclaim * 5 * MIN)
+    assert run(core, [tick(T0 + window)]) == []
+    (d,) = decisions(run(core, [tick(T0 + window + 1)]))
+    assert d.decision == "RECLAIM" and d.details["missed_heartbeats"] == str(missed)
+    noun = "heartbeat" if missed == 1 else "heartbeats"
+    assert f"missed {missed} {noun}" in d.reason, d.reason
+    assert d.details["last_renewal_ms"] == str(T0)
+
+
+def _queued_s2(core: SchedulerCore) -> None:
+    """n1 holds one 8-CPU sandbox: s1 placed, s2 queued for capacity."""
+    _full_node_with_one_sandbox(core)
+    assert core.queued("acme")[0]["sandbox"] == "s2"
+
+
+def test_heartbeats_and_probes_of_a_queued_sandbox_are_not_dead_letters() -> None:
+    """A queued sandbox is known: its heartbeats and probes are counted and otherwise ignored
+    (it holds no lease yet, so there is nothing to renew or drain); its lease starts when it
+    is placed."""
+    core, log = SchedulerCore(), Log()
+    _queued_s2(core)
+    before = core.snapshot()
+    out = run(core, [log.heartbeat("s2", T0 + 5 * MIN), log.probe("s2", T0 + 5 * MIN + 1, False),
+                     log.probe("s2", T0 + 5 * MIN + 2, False),
+                     log.probe("s2", T0 + 5 * MIN + 3, False)])
+    assert out == []
+    assert core.stats["queued_heartbeat"] == 1 and core.stats["queued_probe"] == 3
+    assert {k: v for k, v in core.snapshot().items() if k != "meta"} == \
+        {k: v for k, v in before.items() if k != "meta"}
+    assert core.sandbox("s2") is None and core.queued("acme")[0]["sandbox"] == "s2"
+    # s1 recycles: s2 is placed, with a full lease from its placement
+    t = T0 + 6 * MIN
+    out = run(core, [release("s1", t), log.drained("s1", t + 1, {}),
+                     node_report("n1", t + 2, cpu=8, mem=16_384)])
+    assert kinds(out) == ["DRAIN", "RECYCLE", "ADMIT", "PLACE"]
+    assert sbx(core, "s2").lease_deadline == t + 2 + 10 * MIN
+
+
+def _queued_sandbox_leaves(log: Log, how: str, t: int) -> list[tuple[str, dict[str, Any]]]:
+    if how == "reports DRAINING":
+        return [log.lifecycle("s2", t, "DRAINING", reason="recycle")]
+    if how == "reports RECYCLED":
+        return [log.lifecycle("s2", t, "RECYCLED")]
+    if how == "sends Drained":
+        return [log.drained("s2", t, {})]
+    if how == "is released":
+        return [release("s2", t)]
+    assert how == "is caught looping"
+    return [alert("s2", t)]
+
+
+_LEAVES = ["reports DRAINING", "reports RECYCLED", "sends Drained", "is released",
+           "is caught looping"]
+
+
+@pytest.mark.parametrize("how", _LEAVES)
+def test_a_sandbox_that_ends_while_queued_leaves_the_queue_and_is_never_placed(
+        how: str) -> None:
+    core, log = SchedulerCore(), Log()
+    _queued_s2(core)
+    out = run(core, _queued_sandbox_leaves(log, how, T0 + 1000))
+    closing = decisions(out)[-1]
+    assert closing.decision == "RECYCLE" and closing.sandbox == "s2"
+    assert closing.details["queued"] == "true" and closing.request_id == "r-s2"
+    assert not [o for o in out if isinstance(o, DeadLetterOut)]
+    assert core.queued("acme") == []
+    assert sbx(core, "s2").state == "RECYCLED" and sbx(core, "s2").node is None
+    if how == "is caught looping":
+        assert kinds(out) == ["TERMINATE", "RECYCLE"] and closing.suspicious
+    else:
+        assert kinds(out) == ["RECYCLE"]
+    # s1 recycles: the freed slot is not given to s2; nothing is reserved for it
+    out = run(core, [release("s1", T0 + 2000), log.drained("s1", T0 + 2001, {}),
+                     node_report("n1", T0 + 2002, cpu=8, mem=16_384), tick(T0 + 3000)])
+    assert kinds(out) == ["DRAIN", "RECYCLE"]
+    n = nodex(core, "n1")
+    assert (n.res_cpu, n.res_mem, n.sandboxes) == (0.0, 0, set())
+    acme = core.tenant("acme")
+    assert acme is not None and acme.usage == 0.0
+    # the rest of its ending, as it reports it afterwards, and a redelivered request, are
+    # recognised and change nothing
+    rest = {"reports DRAINING": ["Drained", "RECYCLED"], "reports RECYCLED": [],
+            "sends Drained": ["RECYCLED"]}.get(how, ["DRAINING", "Drained", "RECYCLED"])
+    late = [log.drained("s2", T0 + 4000 + i, {}) if step == "Drained" else
+            log.lifecycle("s2", T0 + 4000 + i, step) for i, step in enumerate(rest)]
+    assert run(core, [*late, request("s2", T0 + 4010)]) == []
+    assert core.stats["duplicate"] == 1  # the request
+    assert core.queued("acme") == [] and sbx(core, "s2").state == "RECYCLED"
+
+
+def test_a_sandbox_running_before_its_placement_is_an_anomaly_but_its_drain_withdraws_it(
+) -> None:
+    """An open-loop runtime (it starts a queued sandbox anyway): PROVISIONING and ACTIVE while
+    queued are anomalies; heartbeats and probes are tolerated; its own drain ends the
+    request -- it is never placed afterwards, and every reservation comes back."""
+    core, log = SchedulerCore(), Log()
+    _queued_s2(core)
+    story = [log.lifecycle("s2", T0 + 100, "PROVISIONING", node="n1"),
+             log.lifecycle("s2", T0 + 200, "ACTIVE"), log.heartbeat("s2", T0 + 300),
+             log.probe("s2", T0 + 400, True), log.lifecycle("s2", T0 + 500, "DRAINING"),
+             log.drained("s2", T0 + 600, {"e0": 4}), log.lifecycle("s2", T0 + 700, "RECYCLED")]
+    out = run(core, story)
+    assert kinds(out) == ["ANOMALY", "ANOMALY", "RECYCLE"]
+    assert not [o for o in out if isinstance(o, DeadLetterOut)]
+    out = run(core, [release("s1", T0 + 1000), log.drained("s1", T0 + 1001, {}),
+                     node_report("n1", T0 + 1002, cpu=8, mem=16_384)])
+    assert kinds(out) == ["DRAIN", "RECYCLE"]
+    assert nodex(core, "n1").res_cpu == 0.0
+
+
+def test_withdrawn_queued_sandbox_survives_a_restart_from_the_changelog() -> None:
+    core, log = SchedulerCore(), Log()
+    _queued_s2(core)
+    run(core, [log.lifecycle("s2", T0 + 1000, "DRAINING")])
+    changelog = core.take_dirty()
+    core2 = SchedulerCore()
+    core2.restore_snapshot(changelog)
+    assert core2.snapshot() == core.snapshot()
+    out = run(core2, [log.lifecycle("s2", T0 + 2000, "RECYCLED"), request("s2", T0 + 2001)])
+    assert out == [] and core2.queued("acme") == []
+
+
+def _fleet_invariants(core: SchedulerCore, names: list[str]) -> None:
+    """Every node's ledger and every tenant's usage is exactly what its placed, not yet
+    recycled sandboxes hold."""
+    live = [sb for sb in map(core.sandbox, names)
+            if sb is not None and sb.state != "RECYCLED" and sb.node is not None]
+    for node in core.status()["nodes_by_headroom"]:
+        n = nodex(core, node["node"])
+        mine = [sb for sb in live if sb.node == n.node]
+        assert n.res_cpu == pytest.approx(sum(sb.cpu for sb in mine), abs=1e-6), n.node
+        assert n.sandboxes == {sb.sandbox for sb in mine}
+    for name in core.status()["queued_by_tenant"]:
+        t = core.tenant(name)
+        assert t is not None
+        assert t.usage == pytest.approx(sum(sb.cpu for sb in live if sb.tenant == name),
+                                        abs=1e-6)
+
+
+def _fleet(seed: int, n: int, closed_loop: bool) -> tuple[SchedulerCore, list[Output]]:
+    """A fleet of ``n`` sandboxes from two tenants whose credit admits 3 at a time each, on
+    two nodes reporting every 5 s, ticks every second. Closed loop: a sandbox starts
+    (lifecycle, heartbeats every 5 min, probes every minute, then its own drain) when it is
+    placed. Open loop: it starts at its request, placed or not. Runs until every request is
+    closed; returns the core and every output."""
+    import heapq
+
+    rng = random.Random(seed)
+    log = Log()
+    core = SchedulerCore(SchedulerSettings(tenant_burst_max_ms=10**9), {"a": 8.0, "b": 8.0})
+    pending: list[tuple[int, int, tuple[str, dict[str, Any]]]] = []
+    k = itertools.count()
+
+    def at(t: int, e: tuple[str, dict[str, Any]]) -> None:
+        heapq.heappush(pending, (t, next(k), e))
+
+    def script(sb: str, t: int) -> None:
+        at(t + 100, log.lifecycle(sb, t + 100, "PROVISIONING", node="n0"))
+        at(t + 600, log.lifecycle(sb, t + 600, "ACTIVE"))
+        end = t + 600 + rng.randrange(1, 17) * MIN
+        for b in range(1, (end - t) // (5 * MIN) + 1):
+            at(t + b * 5 * MIN, log.heartbeat(sb, t + b * 5 * MIN))
+        for p in range(1, (end - t) // MIN + 1):
+            at(t + p * MIN, log.probe(sb, t + p * MIN, rng.random() < 0.9))
+        at(end, log.lifecycle(sb, end, "DRAINING", reason="recycle"))
+        at(end + 1000, log.drained(sb, end + 1000, {}))
+        at(end + 2000, log.lifecycle(sb, end + 2000, "RECYCLED"))
+
+    names = [f"s{i:03d}" for i in range(n)]
+    for sb in names:
+        t = T0 + 1000 + rng.randrange(0, 5 * MIN)
+        at(t, request(sb, t, tenant=rng.choice("ab"), cpu=2.5, mem=1024))
+        if not closed_loop:
+            script(sb, t)
+    at(T0, tick(T0))
+    closed: set[str] = set()
+    out: list[Output] = []
+    while pending:
+        t, _, (kind, rec) = heapq.heappop(pending)
+        if kind == "Tick" and len(closed) < n and t < T0 + 12 * 60 * MIN:
+            # the clock runs while requests are open (bounded: a stuck fleet fails below)
+            at(t + 1000, tick(t + 1000))
+            if (t - T0) % 5000 == 0:
+                for i in range(2):
+                    at(t, node_report(f"n{i}", t, cpu=8, mem=65_536))
+        got = core.handle(kind, rec)
+        out += got
+        for d in decisions(got):
+            assert d.sandbox is not None
+            if d.decision == "PLACE" and closed_loop:
+                script(d.sandbox, d.time_ms)
+            if d.decision.startswith("RECYCLE"):
+                closed.add(d.sandbox)
+        if kind != "Tick":
+            _fleet_invariants(core, names)
+    return core, out
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_closed_loop_fleet_ends_every_lifecycle_cleanly(seed: int) -> None:
+    """Sandboxes that wait for their placement (as a real runtime does): no dead letter, no
+    anomaly, and every sandbox PLACE -> DRAIN -> RECYCLE exactly once, some after queueing;
+    at the end nothing is reserved."""
+    core, out = _fleet(seed, 24, closed_loop=True)
+    assert [o for o in out if isinstance(o, DeadLetterOut)] == []
+    assert decisions(out, "ANOMALY") == []
+    by_sb: dict[str, list[str]] = {}
+    for d in decisions(out):
+        if d.sandbox is not None:
+            by_sb.setdefault(d.sandbox, []).append(d.decision)
+    assert len(by_sb) == 24
+    for sb, ks in by_sb.items():
+        assert [x for x in ks if x not in ("QUEUE", "ADMIT")] == ["PLACE", "DRAIN", "RECYCLE"], sb
+    assert sum("QUEUE" in ks for ks in by_sb.values()) >= 5
+    for i in range(2):
+        n = nodex(core, f"n{i}")
+        assert (n.res_cpu, n.sandboxes) == (0.0, set())
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_open_loop_fleet_never_places_a_sandbox_that_already_ended(seed: int) -> None:
+    """Sandboxes that run whether placed or not (the old simulator): no dead letters, no
+    placement after the sandbox's own drain, and in the end every request is closed, every
+    reservation released."""
+    core, out = _fleet(seed, 24, closed_loop=False)
+    assert [o for o in out if isinstance(o, DeadLetterOut)] == []
+    ended: set[str] = set()
+    for o in out:
+        if isinstance(o, DecisionOut) and o.sandbox is not None:
+            if o.decision == "PLACE":
+                assert o.sandbox not in ended, o.sandbox
+            if o.decision in ("DRAIN", "RECYCLE", "RECYCLE_WITH_LOSS"):
+                ended.add(o.sandbox)
+    assert len(decisions(out, "RECYCLE")) + len(decisions(out, "RECYCLE_WITH_LOSS")) == 24
+    for i in range(2):
+        n = nodex(core, f"n{i}")
+        assert (n.res_cpu, n.sandboxes) == (0.0, set())
+    assert core.queued("a") == [] and core.queued("b") == []
