@@ -2,6 +2,8 @@
 
 - ``trajbus tail-traces DIR --sandbox ID --task T [--once] [--poll-ms MS]``
 - ``trajbus simulate [--sandboxes N] [--episodes M] [--seed S] [--manifest PATH] ...``
+  (closed loop: each sandbox waits for the scheduler's placement; ``--no-wait-for-placement``
+  starts them all at once without a scheduler)
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ def register(subparsers: Any) -> None:
         s.add_argument(f"--{knob}", type=float, default=default, help=f"fraction (default "
                        f"{default})")
     s.add_argument("--shuffle-window", type=int, default=0)
+    s.add_argument("--no-wait-for-placement", dest="wait_for_placement", action="store_false",
+                   help="start every sandbox at once instead of waiting for the scheduler's "
+                        "placement (closed loop, the default, needs a running scheduler)")
     s.set_defaults(func=_simulate)
 
 
@@ -89,7 +94,8 @@ def _simulate(args: argparse.Namespace) -> int:
                 settings, args.sandboxes, args.episodes, args.seed,
                 manifest_path=args.manifest, state_root=args.state_root, loop=args.loop,
                 cycle=args.cycle, nonloop=args.nonloop, crash=args.crash, migrate=args.migrate,
-                duplicate=args.duplicate, blob=args.blob, shuffle_window=args.shuffle_window)
+                duplicate=args.duplicate, blob=args.blob, shuffle_window=args.shuffle_window,
+                wait_for_placement=args.wait_for_placement)
         finally:
             await close_producer()
         print(json.dumps({"episodes": len(m.episodes), "events_acked": m.events_acked,

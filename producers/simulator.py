@@ -23,6 +23,20 @@ Behaviours (knobs are fractions of episodes, or of sandboxes for crash/migrate):
 Lifecycle: PROVISIONING -> ACTIVE -> (episodes) -> DRAINING -> Drained -> RECYCLED. Node
 reports go to ``Topics.nodes`` and one SandboxRequest per sandbox to ``Topics.control``.
 
+Closed loop (``wait_for_placement``, the default), as a real runtime: each sandbox sends its
+SandboxRequest and waits for the scheduler's answer on ``Topics.decisions`` (read from the
+offsets it had before the first request, read_committed) before it starts: ``PLACE`` starts it,
+``QUEUE`` / ``ADMIT`` keep it waiting, a ``RECYCLE`` of the queued request (withdrawn) ends it
+unstarted, an ``ANOMALY`` (refused) raises :class:`PlacementError`. Every wait is bounded: no
+decision at all within ``first_decision_timeout_s`` (no scheduler running?) or no placement
+within ``placement_timeout_s`` raises :class:`PlacementError` naming the sandbox, the request and
+the decisions seen; the other sandboxes are then stopped. While waiting, node reports keep
+coming every ``node_report_every_s`` (default 0.5 s), so the scheduler sees live capacity.
+``wait_for_placement=False`` starts every sandbox at once, with no scheduler needed (tests of
+the producer side). Waiting changes when a sandbox's events are sent, never what they are: the
+event content for a seed is the same either way (the lifecycle's ``node`` stays the seeded one;
+the manifest's ``placements`` record where the scheduler put each sandbox).
+
 The manifest (JSON) records, per (task, sandbox, episode), the (seq, event_id) pairs the broker
 acknowledged, the outcome, and which episodes loop, so tests can check pipeline output exactly.
 """
@@ -32,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import random
 import time
 from collections import defaultdict
@@ -40,11 +55,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
+
+from trajbus.bus.kafka import connection_options
 from trajbus.bus.producer import get_producer
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
 from trajbus.producers.emitter import AckInfo, SandboxEmitter
-from trajbus.schemas.codec import default_codec
+from trajbus.schemas.codec import CodecError, default_codec
+
+log = logging.getLogger(__name__)
 
 DEFAULT_START_MS = 1_767_225_600_000  # 2026-01-01T00:00:00Z
 TOOLS = ["bash", "python", "http_get", "browser_click", "browser_type", "read_file", "write_file"]
@@ -74,8 +95,18 @@ class SimConfig:
     durability: str = "os"
     concurrency: int = 256
     # > 0: nodes keep reporting every this many wall-clock seconds while the fleet runs (a live
-    # scheduler marks nodes stale without reports); 0: one burst at the start (deterministic).
-    node_report_every_s: float = 0.0
+    # scheduler marks nodes stale without reports); 0: one burst at the start (deterministic);
+    # None: 0.5 when waiting for placements, else 0.
+    node_report_every_s: float | None = None
+    # Closed loop: each sandbox starts only once the scheduler placed it (see the module doc).
+    wait_for_placement: bool = True
+    first_decision_timeout_s: float = 120.0  # no decision about a request by then: an error
+    placement_timeout_s: float = 600.0  # not placed by then (from the request): an error
+
+
+class PlacementError(RuntimeError):
+    """A closed-loop sandbox could not start: no scheduling decision or no placement in time,
+    or its request was refused."""
 
 
 @dataclass
@@ -99,6 +130,8 @@ class Manifest:
     duplicates_sent: int
     events_acked: int
     blobs: int
+    # closed loop: sandbox -> {"decisions": [kinds in order], "node", "waited_s"}
+    placements: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def loops(self) -> list[EpisodeRecord]:
@@ -117,6 +150,7 @@ class Manifest:
             "duplicates_sent": self.duplicates_sent,
             "events_acked": self.events_acked,
             "blobs": self.blobs,
+            "placements": self.placements,
         }
 
     def write(self, path: str | Path) -> None:
@@ -199,9 +233,25 @@ class _Sandbox:
             self.next_probe += 60_000
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        except BaseException:
+            if self.em is not None:  # stopped (another sandbox failed) or failed: no leftovers
+                with contextlib.suppress(Exception):
+                    await self.em.abort()
+            raise
+
+    async def _run(self) -> None:
         cfg = self.sim.cfg
+        placements = self.sim.placements
+        if placements is None:
+            await self.sim.request(self)
+        else:
+            waiter = placements.expect(self.name, f"req-{self.name}")
+            await self.sim.request(self)
+            if not await placements.wait(waiter, cfg):
+                return  # withdrawn while queued: it never starts
         em = await self._open()
-        await self.sim.request(self)
         await em.lifecycle("PROVISIONING", node=self.node, event_time_ms=self.tick(0, 500))
         await em.lifecycle("ACTIVE", node=self.node, event_time_ms=self.tick(500, 3000))
         crash_at = self.rng.randrange(cfg.episodes) if self.crash else -1
@@ -322,6 +372,156 @@ class _Sandbox:
         await self._open()
 
 
+@dataclass
+class _Waiter:
+    sandbox: str
+    request_id: str
+    answered: asyncio.Event
+    outcome: asyncio.Future[dict[str, Any]]
+    decisions: list[str] = field(default_factory=list)
+
+
+class _Placements:
+    """The scheduler's decisions about this fleet's requests, read from ``Topics.decisions``
+    starting at the end offsets it had before the first request was sent."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.topic = Topics(settings).decisions
+        self.codec = default_codec()
+        self.waiters: dict[str, _Waiter] = {}
+        self.placed: dict[str, dict[str, Any]] = {}
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+
+    async def start(self) -> None:
+        k = self.settings.kafka
+        consumer = AIOKafkaConsumer(
+            **connection_options(k), client_id=f"{k.client_id}-sim-placements", group_id=None,
+            enable_auto_commit=False, isolation_level="read_committed")
+        await consumer.start()
+        self._consumer = consumer
+        try:
+            producer = await get_producer(k)
+            try:
+                parts = await asyncio.wait_for(producer.partitions_for(self.topic),
+                                               k.connect_timeout_s)
+            except Exception as exc:
+                raise PlacementError(
+                    f"the scheduler's decisions topic {self.topic} is not available ({exc!r}): "
+                    "create the topics first (trajbus simulate --create-topics)") from exc
+            tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
+            consumer.assign(tps)
+            await consumer.seek_to_end(*tps)
+            for tp in tps:  # pin the start now: decisions about our requests all come later
+                await asyncio.wait_for(consumer.position(tp), k.connect_timeout_s)
+        except BaseException:
+            await self.stop()
+            raise
+        self._task = asyncio.create_task(self._read(), name="sim-placements")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None
+
+    def expect(self, sandbox: str, request_id: str) -> _Waiter:
+        """Register before sending the request, so no decision about it can be missed."""
+        loop = asyncio.get_running_loop()
+        w = _Waiter(sandbox, request_id, asyncio.Event(), loop.create_future())
+        if self._error is not None:
+            w.outcome.set_exception(PlacementError(f"reading {self.topic} failed: "
+                                                   f"{self._error!r}"))
+            w.answered.set()
+        self.waiters[request_id] = w
+        return w
+
+    async def wait(self, w: _Waiter, cfg: SimConfig) -> bool:
+        """True once placed; False when the request was withdrawn while queued; raises
+        :class:`PlacementError` when refused or past a deadline."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            try:
+                await asyncio.wait_for(w.answered.wait(), cfg.first_decision_timeout_s)
+            except TimeoutError:
+                raise PlacementError(
+                    f"sandbox {w.sandbox}: no scheduling decision about request {w.request_id} "
+                    f"on {self.topic} within {cfg.first_decision_timeout_s:g}s: is a scheduler "
+                    "running on these topics (`trajbus worker`)? To run the fleet without one, "
+                    "pass wait_for_placement=False (trajbus simulate --no-wait-for-placement)"
+                ) from None
+            remaining = cfg.placement_timeout_s - (loop.time() - t0)
+            try:
+                rec = await asyncio.wait_for(asyncio.shield(w.outcome), max(0.0, remaining))
+            except TimeoutError:
+                raise PlacementError(
+                    f"sandbox {w.sandbox}: request {w.request_id} not placed within "
+                    f"{cfg.placement_timeout_s:g}s (decisions so far: "
+                    f"{', '.join(w.decisions)}); is capacity or tenant credit ever freed?"
+                ) from None
+        finally:
+            self.waiters.pop(w.request_id, None)
+        kind = rec["decision"]
+        self.placed[w.sandbox] = {"decisions": list(w.decisions), "node": rec.get("node"),
+                                  "waited_s": round(loop.time() - t0, 3)}
+        if kind == "PLACE":
+            return True
+        if kind == "RECYCLE":
+            return False
+        raise PlacementError(f"sandbox {w.sandbox}: request {w.request_id} refused by the "
+                             f"scheduler ({kind}): {rec.get('reason')}")
+
+    async def _read(self) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        try:
+            while True:
+                try:
+                    batch = await consumer.getmany(timeout_ms=500)
+                except KafkaError as exc:
+                    # e.g. the broker restarting: keep reading (each wait has its deadline)
+                    log.warning("reading %s: %r (retrying)", self.topic, exc)
+                    await asyncio.sleep(0.5)
+                    continue
+                for recs in batch.values():
+                    for r in recs:
+                        self._on_decision(r.value)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the consumer broke: fail every waiter now, not at a deadline
+            self._error = exc
+            for w in self.waiters.values():
+                if not w.outcome.done():
+                    w.outcome.set_exception(PlacementError(f"reading {self.topic} failed: "
+                                                           f"{exc!r}"))
+                w.answered.set()
+
+    def _on_decision(self, value: bytes | None) -> None:
+        if not value:
+            return
+        try:
+            d = self.codec.decode(value)
+        except CodecError:
+            return  # not ours to judge; the scheduler's topic is checked elsewhere
+        rid = d.record.get("request_id") if d.kind == "SchedulingDecision" else None
+        w = self.waiters.get(rid) if isinstance(rid, str) else None
+        if w is None or w.outcome.done():
+            return
+        kind = str(d.record["decision"])
+        w.decisions.append(kind)
+        w.answered.set()
+        if kind == "PLACE" or kind == "ANOMALY" or (
+                kind == "RECYCLE" and (d.record.get("details") or {}).get("queued") == "true"):
+            w.outcome.set_result(d.record)
+
+
 class _Sim:
     def __init__(self, settings: Settings, cfg: SimConfig, state_root: Path) -> None:
         self.settings = settings
@@ -337,6 +537,7 @@ class _Sim:
         self.blobs = 0
         self.codec = default_codec()
         self.control_seq: dict[str, int] = defaultdict(int)
+        self.placements: _Placements | None = None
 
     async def request(self, sb: _Sandbox) -> None:
         producer = await get_producer(self.settings.kafka)
@@ -396,8 +597,9 @@ class _Sim:
             if rec.outcome is not None and rec.acked:
                 rec.final_seq = rec.acked[-1][0]
         streams = {k: sorted(dict(v).items()) for k, v in self.sandbox_streams.items()}
+        placed = dict(sorted(self.placements.placed.items())) if self.placements else {}
         return Manifest(asdict(self.cfg), self.episodes, streams, dict(self.producer_ids),
-                        self.duplicates_sent, self.events_acked, self.blobs)
+                        self.duplicates_sent, self.events_acked, self.blobs, placed)
 
 
 async def simulate(settings: Settings, sandboxes: int = 10, episodes: int = 3, seed: int = 0,
@@ -405,10 +607,15 @@ async def simulate(settings: Settings, sandboxes: int = 10, episodes: int = 3, s
                    state_root: str | Path | None = None, **knobs: Any) -> Manifest:
     """Run the simulated fleet to completion and return (and optionally write) its manifest.
     ``knobs`` are :class:`SimConfig` fields (loop, cycle, nonloop, crash, migrate, duplicate,
-    shuffle_window, blob, ...). Topics must exist."""
+    shuffle_window, blob, wait_for_placement, ...). Topics must exist. With
+    ``wait_for_placement`` (the default) a scheduler must be running on these topics; raises
+    :class:`PlacementError` when a sandbox gets no placement in time."""
     cfg = SimConfig(sandboxes=sandboxes, episodes=episodes, seed=seed, **knobs)
     root = Path(state_root) if state_root is not None else settings.state_dir / f"sim-{seed}"
     sim = _Sim(settings, cfg, root)
+    every = cfg.node_report_every_s
+    if every is None:
+        every = 0.5 if cfg.wait_for_placement else 0.0
     await sim.node_reports()
     sem = asyncio.Semaphore(cfg.concurrency)
 
@@ -419,18 +626,27 @@ async def simulate(settings: Settings, sandboxes: int = 10, episodes: int = 3, s
     async def keep_reporting() -> None:
         r = 20
         while True:
-            await asyncio.sleep(cfg.node_report_every_s)
+            await asyncio.sleep(every)
             await sim.node_reports(1, first_round=r, now_ms=int(time.time() * 1000))
             r += 1
 
-    reporter = asyncio.create_task(keep_reporting()) if cfg.node_report_every_s > 0 else None
+    if cfg.wait_for_placement:
+        sim.placements = _Placements(settings)
+        await sim.placements.start()
+    reporter = asyncio.create_task(keep_reporting()) if every > 0 else None
+    tasks = [asyncio.create_task(one(i)) for i in range(sandboxes)]
     try:
-        await asyncio.gather(*(one(i) for i in range(sandboxes)))
+        await asyncio.gather(*tasks)
     finally:
+        for t in tasks:  # one sandbox failed: stop the others too
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if reporter is not None:
             reporter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reporter
+        if sim.placements is not None:
+            await sim.placements.stop()
     m = sim.manifest()
     if manifest_path is not None:
         m.write(manifest_path)

@@ -141,14 +141,16 @@ async def test_scheduler_killed_and_restarted_continues_without_duplicate_decisi
     w = scheduler()
     try:
         await simulate(settings, sandboxes=6, episodes=1, seed=71, state_root=tmp_path / "a",
-                       start_ms=int(time.time() * 1000), loop=0, cycle=0, crash=0, migrate=0)
+                       start_ms=int(time.time() * 1000), loop=0, cycle=0, crash=0, migrate=0,
+                       wait_for_placement=False)
         await close_producer()
         await consume_until(settings, topics.decisions,
                             lambda v: len(decisions_of(v, "sb-71-")) >= 3, timeout=60)
-        w.kill()
+        w.kill()  # the fleet below runs while no scheduler does (hence no waiting for placement)
         before = len(await read_all(settings, [topics.decisions]))
         await simulate(settings, sandboxes=6, episodes=1, seed=72, state_root=tmp_path / "b",
-                       start_ms=int(time.time() * 1000), loop=0, cycle=0, crash=0, migrate=0)
+                       start_ms=int(time.time() * 1000), loop=0, cycle=0, crash=0, migrate=0,
+                       wait_for_placement=False)
         await close_producer()
         w = scheduler()
         await wait_caught_up(settings, f"{unique_name}.scheduler", sched_inputs, timeout=90)

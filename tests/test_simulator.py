@@ -15,7 +15,8 @@ from trajbus.producers.testing import check_streams, create_topics, make_setting
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
 
 KNOBS = dict(loop=0.25, cycle=0.15, nonloop=0.15, crash=0.3, migrate=0.4, duplicate=0.05,
-             shuffle_window=4, blob=0.05, blob_bytes=1_200_000, steps_min=3, steps_max=8)
+             shuffle_window=4, blob=0.05, blob_bytes=1_200_000, steps_min=3, steps_max=8,
+             wait_for_placement=False)  # no scheduler here: every sandbox starts at once
 
 
 @pytest.fixture(autouse=True)
