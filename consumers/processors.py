@@ -198,7 +198,7 @@ class ReorderProcessor(_Adapter):
     def take_dirty(self) -> dict[str, bytes | None]:
         return self.core.take_dirty()
 
-    def restore(self, key: str, blob: bytes) -> None:
+    def restore(self, key: str, blob: bytes | None) -> None:
         self.core.restore(key, blob)
 
 
@@ -410,7 +410,7 @@ class SchedulerProcessor(_Adapter):
         dirty.update({f"order/{k}": v for k, v in self.sandbox_order.take_dirty().items()})
         return dirty
 
-    def restore(self, key: str, blob: bytes) -> None:
+    def restore(self, key: str, blob: bytes | None) -> None:
         if key.startswith("order/"):
             self.sandbox_order.restore(key[len("order/"):], blob)
         else:
@@ -494,7 +494,7 @@ class WatchdogProcessor(_Adapter):
     def take_dirty(self) -> dict[str, bytes | None]:
         return self.core.take_dirty()
 
-    def restore(self, key: str, blob: bytes) -> None:
+    def restore(self, key: str, blob: bytes | None) -> None:
         self.core.restore(key, blob)  # a corrupt blob is refused by the core, state unchanged
 
 

@@ -85,7 +85,7 @@ class Processor(Protocol):
 
     def take_dirty(self) -> dict[str, bytes | None]: ...
 
-    def restore(self, key: str, blob: bytes) -> None: ...
+    def restore(self, key: str, blob: bytes | None) -> None: ...
 
 
 @dataclass
@@ -209,8 +209,9 @@ class Runner:
                 for tp, msgs in batch.items():
                     for msg in msgs:
                         key = msg.key.decode() if msg.key else ""
-                        if msg.value is not None:
-                            fresh[tp.partition].restore(key, msg.value)
+                        # A None (tombstone) deletes: until compaction the changelog holds a
+                        # key's put and its later delete, and the delete must win.
+                        fresh[tp.partition].restore(key, msg.value)
                         restored += 1
                 for tp in list(pending):
                     if await consumer.position(tp) >= end[tp]:

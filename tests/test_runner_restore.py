@@ -1,0 +1,62 @@
+"""The runner rebuilds a partition's core from the committed changelog: every record in log
+order, deletes (tombstones) included. Until compaction, a changelog holds a key's put and its
+later delete; skipping the delete would resurrect state the core had dropped (an expired
+episode, a forgotten sandbox)."""
+
+from __future__ import annotations
+
+import pytest
+from aiokafka import TopicPartition
+from support import settings_for
+
+from trajbus.bus.admin import ensure_topics
+from trajbus.bus.producer import close_producer, get_producer
+from trajbus.bus.topics import TopicSpec
+from trajbus.consumers.runner import InRecord, OutRecord, ProcessorSpec, Runner
+
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(90)]
+
+
+class Recording:
+    """A processor whose state is a dict fed by restore() (None deletes)."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, bytes] = {}
+
+    def handle(self, rec: InRecord) -> list[OutRecord]:
+        return []
+
+    def handle_batch(self, records: list[InRecord]) -> list[OutRecord]:
+        return []
+
+    def tick(self, now_ms: int) -> list[OutRecord]:
+        return []
+
+    def take_dirty(self) -> dict[str, bytes | None]:
+        return {}
+
+    def restore(self, key: str, blob: bytes | None) -> None:
+        if blob is None:
+            self.state.pop(key, None)
+        else:
+            self.state[key] = blob
+
+
+async def test_restore_applies_deletes_in_log_order(kafka_broker, unique_name) -> None:
+    settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=1)
+    spec = ProcessorSpec(name="rec", input_topics=[f"{unique_name}.in"], factory=Recording)
+    runner = Runner(settings, spec, "w0")
+    await ensure_topics(settings, [TopicSpec(runner.changelog, 1, "test", "key",
+                                             retention_ms=-1, compacted=True)])
+    producer = await get_producer(settings.kafka)
+    try:
+        for key, value in [("gone", b"v1"), ("kept", b"k1"), ("gone", None), ("kept", b"k2"),
+                           ("back", None), ("back", b"b1")]:
+            fut = await producer.send(runner.changelog, value, key=key.encode(), partition=0)
+            await fut
+    finally:
+        await close_producer()
+    await runner.restore([TopicPartition(f"{unique_name}.in", 0)])
+    core = runner.cores[0]
+    assert isinstance(core, Recording)
+    assert core.state == {"kept": b"k2", "back": b"b1"}
