@@ -105,6 +105,20 @@ class ProcessorSpec:
     extra_topics: list[TopicSpec] = field(default_factory=list)
 
 
+# A restore reads the whole changelog partition. Kafka never compacts the active segment, and
+# its defaults (1 GiB / 7 days) keep nearly all of a busy worker's history there: small
+# segments that roll every 10 minutes, cleaned once 10% is dirty (and at most 15 minutes
+# after a write), keep a restore close to the live keys. Tombstones stay a day, long enough
+# for any restore in progress to see them.
+CHANGELOG_CONFIGS = {
+    "segment.ms": str(10 * 60_000),
+    "segment.bytes": str(64 * 1024 * 1024),
+    "min.cleanable.dirty.ratio": "0.1",
+    "max.compaction.lag.ms": str(15 * 60_000),
+    "delete.retention.ms": str(24 * 3_600_000),
+}
+
+
 class _Rebalance(ConsumerRebalanceListener):
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
@@ -227,7 +241,8 @@ class Runner:
         parts = 1 if self.spec.global_state else self.settings.topics.partitions
         specs = [TopicSpec(self.changelog, parts, f"{self.spec.name} state changelog",
                            "state key", retention_ms=-1, compacted=True,
-                           max_message_bytes=self.topics.derived_max_bytes)]
+                           max_message_bytes=self.topics.derived_max_bytes,
+                           configs=CHANGELOG_CONFIGS)]
         specs += self.topics.specs + list(self.spec.output_topics()) + self.spec.extra_topics
         specs += [TopicSpec(t, parts, "ticks", "-", retention_ms=3_600_000)
                   for t in self.spec.tick_topics or () if t not in {s.name for s in specs}]

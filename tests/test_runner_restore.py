@@ -60,3 +60,30 @@ async def test_restore_applies_deletes_in_log_order(kafka_broker, unique_name) -
     core = runner.cores[0]
     assert isinstance(core, Recording)
     assert core.state == {"kept": b"k2", "back": b"b1"}
+
+
+async def test_the_changelog_is_created_to_be_compacted_promptly(kafka_broker,
+                                                                 unique_name) -> None:
+    """Kafka never compacts the active segment; with its defaults (1 GiB, 7 days) a restore
+    re-reads the whole history. The runner's changelog rolls and cleans promptly."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    from trajbus.bus.kafka import connection_options
+    from trajbus.consumers.runner import CHANGELOG_CONFIGS
+
+    settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=1)
+    spec = ProcessorSpec(name="rec", input_topics=[f"{unique_name}.in"], factory=Recording)
+    runner = Runner(settings, spec, "w0")
+    await runner._prepare_topics()
+    admin = AIOKafkaAdminClient(**connection_options(settings.kafka))
+    await admin.start()
+    try:
+        [resp] = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, runner.changelog)])
+        entries = {e[0]: e[1] for res in resp.resources for e in res[4]}
+    finally:
+        await admin.close()
+    assert entries["cleanup.policy"] == "compact"
+    for name, value in CHANGELOG_CONFIGS.items():
+        assert entries[name] == value, name
