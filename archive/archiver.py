@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from trajbus.archive.core import ArchiveBatcher, Flush
+from trajbus.archive.dedupe import Deduper, Verdict, content_digest, to_signed
 from trajbus.archive.rows import decode_as_written, decoded_to_row, row_nbytes
 from trajbus.archive.spool import Spool, clear_spool_dir
 from trajbus.archive.storage import ObjectStore, open_store
@@ -77,6 +78,8 @@ class ArchiverStats:
     records: int = 0
     rows: int = 0
     dead_letters: int = 0
+    duplicates: int = 0  # re-sent copies not archived again
+    conflicts: int = 0  # conflicting copies written to conflicts/, not events/
     batches: int = 0
     objects: int = 0
     committed: dict[str, int] = field(default_factory=dict)  # "topic:partition" -> offset
@@ -89,7 +92,7 @@ class ArchiveShell:
     """Decode, spool, batch and write. Not thread-safe: call from one thread at a time."""
 
     def __init__(self, store: ObjectStore, cfg: ArchiveSettings, codec: Codec | None = None,
-                 spool_dir: str | None = None) -> None:
+                 spool_dir: str | None = None, dedupe_max_keys: int = 2_000_000) -> None:
         self.store = store
         self.codec = codec or default_codec()
         self.batcher = ArchiveBatcher(cfg.target_object_bytes, cfg.max_open_ms)
@@ -97,14 +100,20 @@ class ArchiveShell:
         self.spool_dir = Path(spool_dir or cfg.spool_dir)
         clear_spool_dir(self.spool_dir)
         self._spools: dict[tuple[str, int], Spool] = {}
+        self._conflict_spools: dict[tuple[str, int], Spool] = {}
+        self.dedupe = Deduper(store, max_keys=dedupe_max_keys)
         self.watermark_ms: int | None = None
         self.rows = 0
+        self.duplicates = 0  # re-sent copies dropped
+        self.conflicts = 0  # conflicting copies sent to conflicts/
 
-    def _spool(self, topic: str, partition: int) -> Spool:
+    def _spool(self, topic: str, partition: int, conflicts: bool = False) -> Spool:
         tp = (topic, partition)
-        s = self._spools.get(tp)
+        spools = self._conflict_spools if conflicts else self._spools
+        s = spools.get(tp)
         if s is None:
-            s = self._spools[tp] = Spool(self.spool_dir, f"{_SAFE.sub('_', topic)}-{partition}")
+            name = f"{_SAFE.sub('_', topic)}-{partition}{'-conflicts' if conflicts else ''}"
+            s = spools[tp] = Spool(self.spool_dir, name)
         return s
 
     def process(self, records: Iterable[SourceRecord]) -> StepResult:
@@ -130,8 +139,21 @@ class ArchiveShell:
                                              f"{exc}"))
                 self._run(self.batcher.skip(rec.topic, rec.partition, rec.offset), out)
                 continue
-            row = decoded_to_row(decoded, rec.topic, rec.partition, rec.offset)
             t = int(h["event_time_ms"])
+            digest = content_digest(value)
+            verdict = self.dedupe.check(rec.topic, rec.partition, rec.offset, h["task"],
+                                        h["sandbox"], h.get("episode"), int(h["seq"]), digest, t)
+            if verdict is Verdict.DUPLICATE:  # a re-sent copy: archived once already
+                self.duplicates += 1
+                self._run(self.batcher.skip(rec.topic, rec.partition, rec.offset), out)
+                continue
+            row = decoded_to_row(decoded, rec.topic, rec.partition, rec.offset)
+            row["event_digest"] = to_signed(digest)
+            if verdict is Verdict.CONFLICT:  # kept out of events/, written to conflicts/
+                self.conflicts += 1
+                self._spool(rec.topic, rec.partition, conflicts=True).append(row)
+                self._run(self.batcher.skip(rec.topic, rec.partition, rec.offset), out)
+                continue
             self._spool(rec.topic, rec.partition).append(row)
             self.rows += 1
             self._run(self.batcher.add(rec.topic, rec.partition, rec.offset, t,
@@ -150,14 +172,21 @@ class ArchiveShell:
     def _run(self, flushes: list[Flush], out: StepResult) -> None:
         for f in flushes:
             table = self._spool(f.topic, f.partition).take(f.last_offset)
-            out.batches.append(self.writer.write_batch(table, f.topic, f.partition,
-                                                       f.first_offset, f.last_offset))
+            conflicts = None
+            cs = self._conflict_spools.get((f.topic, f.partition))
+            if cs is not None and cs.rows:
+                conflicts = cs.take(f.last_offset)
+            result = self.writer.write_batch(table, f.topic, f.partition, f.first_offset,
+                                             f.last_offset, conflicts=conflicts)
+            out.batches.append(result)
+            self.dedupe.flushed(f.topic, f.partition, f.last_offset, _index_refs(result))
 
     def assigned(self, topic: str, partition: int, committed: int) -> list[tuple[int, int]]:
         """A partition was assigned; consumption resumes at ``committed``. Replays batch
         boundaries recorded (uploaded) but not committed before a crash."""
         self.revoked(topic, partition)
         self.batcher.reset_position(topic, partition, committed)
+        self.dedupe.assigned(topic, partition, committed)
         pending = self.writer.pending_batches(topic, partition, committed)
         for first, last in pending:
             self.batcher.expect(topic, partition, first, last)
@@ -165,13 +194,29 @@ class ArchiveShell:
 
     def revoked(self, topic: str, partition: int) -> None:
         self.batcher.drop(topic, partition)
-        s = self._spools.pop((topic, partition), None)
-        if s is not None:
-            s.discard()
+        self.dedupe.revoked(topic, partition)
+        for spools in (self._spools, self._conflict_spools):
+            s = spools.pop((topic, partition), None)
+            if s is not None:
+                s.discard()
 
     def committed(self, results: list[BatchResult]) -> None:
         for r in results:
             self.writer.clear_marker(r)
+
+
+def _index_refs(result: BatchResult) -> list[tuple[str, str, str, str | None,
+                                                  tuple[str, int, int]]]:
+    """(date, task, sandbox, episode, (object key, first rg, last rg)) of a batch's index rows."""
+    out: list[tuple[str, str, str, str | None, tuple[str, int, int]]] = []
+    for o in result.objects:
+        if o.index is None:
+            continue
+        cols = [o.index.column(c).to_pylist() for c in
+                ("task", "sandbox", "episode", "row_group_first", "row_group_last")]
+        for task, sandbox, episode, lo, hi in zip(*cols, strict=True):
+            out.append((o.date, task, sandbox, episode, (o.key, lo, hi)))
+    return out
 
 
 def kafka_dead_letter(settings: Settings, stage: str = "archiver") -> DeadLetterFn:
@@ -351,6 +396,7 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
                 if all(pos >= ends[tp] for pos, tp in zip(positions, tps, strict=True)):
                     break
         await finish(await call_shell(shell.flush_all))
+        stats.duplicates, stats.conflicts = shell.duplicates, shell.conflicts
     finally:
         try:
             await consumer.stop()

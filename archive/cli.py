@@ -60,8 +60,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     e = sub.add_parser("episode", help="print one episode's events in sequence order",
                        description="Find the episode through the index, read only its row "
                        "groups, print its events ordered by seq (duplicates removed).")
-    e.add_argument("--task", required=True)
-    e.add_argument("--sandbox", required=True)
+    e.add_argument("--task", required=True, help="the episode's task")
+    e.add_argument("--sandbox", required=True, help="sandbox id")
     e.add_argument("--episode", help="episode id; omit for the sandbox's lifecycle stream")
     e.add_argument("--json", action="store_true", help="one JSON object per line (bytes as "
                    "base64) instead of a table")
@@ -90,8 +90,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="output object size (default: TRAJBUS_ARCHIVE__TARGET_OBJECT_BYTES)")
     c.add_argument("--min-age-hours", type=float, default=2.0,
                    help="leave hours younger than this alone (default 2)")
-    c.add_argument("--grace-seconds", type=float, default=3600.0,
-                   help="delete replaced objects only this long after the switch (default 3600)")
+    c.add_argument("--grace-seconds", type=float, default=0.0,
+                   help="delete replaced objects only this long after the switch (default 0: "
+                   "at once, so raw globs over events/ stop seeing them; a `trajbus archive sql` "
+                   "query that lost a file to the switch is retried)")
     c.add_argument("--task", help="only this task")
     c.add_argument("--dry-run", action="store_true", help="report, change nothing")
     c.set_defaults(archive_func=_cmd_compact)
@@ -134,9 +136,11 @@ def _store(args: argparse.Namespace, *, ride_out_outages: bool = False) -> Any:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from trajbus.archive.archiver import run_archiver
+    from trajbus.bus.kafka import check_broker
 
     settings = _settings()
     store = _store(args, ride_out_outages=True)
+    asyncio.run(check_broker(settings.kafka))  # a clear error, not a half-started archiver
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -145,6 +149,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         stats = await run_archiver(settings, stop, store=store, until_idle=args.until_idle)
         print(json.dumps({"records": stats.records, "rows": stats.rows,
+                          "duplicates": stats.duplicates, "conflicts": stats.conflicts,
                           "dead_letters": stats.dead_letters, "batches": stats.batches,
                           "objects": stats.objects, "committed": stats.committed}))
         return 0
@@ -197,12 +202,28 @@ def _cmd_episode(args: argparse.Namespace) -> int:
 
 
 def _cmd_sql(args: argparse.Namespace) -> int:
+    import duckdb
+
     from trajbus.archive.query import ArchiveReader
 
-    con = ArchiveReader(_store(args)).connect()
-    cur = con.execute(args.query)
-    cols = [d[0] for d in cur.description] if cur.description else []
-    rows = cur.fetchall()
+    reader = ArchiveReader(_store(args))
+    for attempt in range(3):
+        con = reader.connect()  # resolves the compaction manifest (again, on a retry)
+        try:
+            cur = con.execute(args.query)
+            cols = [d[0] for d in cur.description] if cur.description else []
+            rows = cur.fetchall()
+            break
+        except duckdb.IOException:
+            if attempt == 2:  # a file vanished under the query (a compaction): re-resolve
+                raise
+        except duckdb.Error as exc:  # the user's SQL: DuckDB's own message, and what is there
+            print(f"error: {exc}", file=sys.stderr)
+            print("hint: the views are 'events' (one row per archived event), 'episodes' "
+                  "(one row per episode), 'episode_objects' (the per-object index) and "
+                  "'conflicts' (conflicting copies); `trajbus archive sql \"DESCRIBE events\"` "
+                  "lists the columns", file=sys.stderr)
+            return 1
     if args.json:
         for row in rows:
             print(json.dumps({c: _jsonable(v) for c, v in zip(cols, row, strict=True)},

@@ -6,7 +6,8 @@
     index/date=YYYY-MM-DD/task=T/<same file name>.parquet
     events/.../compacted-gGGGGGGGG-hHH-NNNN.parquet     (compaction output, see manifest.py)
     _manifest/CURRENT, _manifest/g-GGGGGGGG.json      (the compaction pointer)
-    _batches/<topic>-<partition>/<first>-<last>.json    (uploaded, not yet committed batches)
+    conflicts/date=YYYY-MM-DD/hour=HH/task=T/<same name as events>  (conflicting copies)
+    _batches/<topic>-<partition>/<first>-<last>.json    (batches being written, not committed)
 
 * Directories are partitioned by low-cardinality values only (date, hour, task); sandbox and
   episode are *inside* files (sorted) and in the index, never directory names (the listing
@@ -28,6 +29,7 @@ from trajbus.bus.topics import validate_name
 
 EVENTS = "events/"
 INDEX = "index/"
+CONFLICTS = "conflicts/"
 MANIFEST_DIR = "_manifest/"
 BATCHES = "_batches/"
 
@@ -58,6 +60,12 @@ def events_key(date: str, hour: str, task: str, name: str) -> str:
     return f"{EVENTS}date={date}/hour={hour}/task={validate_name('task', task)}/{name}"
 
 
+def conflicts_key(date: str, hour: str, task: str, name: str) -> str:
+    """Where a batch's conflicting copies go (same partitioning as ``events/``)."""
+    _check_date_hour(date, hour)
+    return f"{CONFLICTS}date={date}/hour={hour}/task={validate_name('task', task)}/{name}"
+
+
 def index_key(date: str, task: str, name: str) -> str:
     _check_date_hour(date, "00")
     return f"{INDEX}date={date}/task={validate_name('task', task)}/{name}"
@@ -78,6 +86,22 @@ def parse_marker_name(key: str) -> tuple[int, int]:
     return int(first), int(last)
 
 
+def parse_marker_key(key: str) -> tuple[str, int, int, int]:
+    """(topic, partition, first, last) of a batch marker key."""
+    tp, stem = key[len(BATCHES):].split("/", 1)
+    topic, partition = tp.rsplit("-", 1)
+    first, last = parse_marker_name(stem)
+    return topic, int(partition), first, last
+
+
+def batch_of(name: str) -> tuple[str, int, int, int] | None:
+    """(topic, partition, first, last) of an archiver object's file name; None if compacted."""
+    m = _BATCH_NAME.match(name)
+    if m is None:
+        return None
+    return m["topic"], int(m["partition"]), int(m["first"]), int(m["last"])
+
+
 def _check_date_hour(date: str, hour: str) -> None:
     if not _DATE.match(date) or not (len(hour) == 2 and hour.isdigit() and int(hour) < 24):
         raise ValueError(f"bad partition date/hour {date!r}/{hour!r}")
@@ -88,7 +112,7 @@ class ObjectPath:
     """The parsed key of a data (``events/``) or index (``index/``) object."""
 
     key: str
-    area: str  # "events" or "index"
+    area: str  # "events", "index" or "conflicts"
     date: str
     hour: str
     task: str
@@ -105,10 +129,10 @@ class ObjectPath:
 
 
 def parse_object_key(key: str) -> ObjectPath | None:
-    """Parse an ``events/`` or ``index/`` key; None for anything else (temp files, stray keys)."""
+    """Parse an ``events/``, ``conflicts/`` or ``index/`` key; None for anything else."""
     parts = key.split("/")
     try:
-        if parts[0] == "events" and len(parts) == 5:
+        if parts[0] in ("events", "conflicts") and len(parts) == 5:
             date, hour, task = (p.split("=", 1)[1] for p in parts[1:4])
             keys = [p.split("=", 1)[0] for p in parts[1:4]]
             if keys != ["date", "hour", "task"]:

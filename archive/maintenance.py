@@ -84,10 +84,18 @@ def compact(store: ObjectStore, *, target_bytes: int = 64 * 1024 * 1024,
                     store.delete(p.index_key)
             del superseded[key]
 
-    # 3. Bundle small live objects per (date, hour, task).
+    # 3. Bundle small live objects per (date, hour, task), except objects of batches still
+    # being written (a batch marker exists: its replay after a crash would overwrite the
+    # object, and a compacted copy of it would be a second copy). Markers are listed *after*
+    # the objects: a marker is written before its objects and deleted after the commit, so an
+    # object listed above whose marker is gone below is committed.
     groups: dict[tuple[str, str, str], list[tuple[layout.ObjectPath, ObjectInfo]]] = \
         defaultdict(list)
-    for p, info in live_objects(store, manifest, "events", task=task):
+    candidates = live_objects(store, manifest, "events", task=task)
+    writing = {layout.parse_marker_key(m.key) for m in store.list(layout.BATCHES)}
+    for p, info in candidates:
+        if layout.batch_of(p.name) in writing:
+            continue
         hour_end = datetime.strptime(f"{p.date} {p.hour}", "%Y-%m-%d %H").replace(
             tzinfo=UTC) + timedelta(hours=1)
         if now - int(hour_end.timestamp() * 1000) < min_age_ms:
@@ -135,6 +143,15 @@ def compact(store: ObjectStore, *, target_bytes: int = 64 * 1024 * 1024,
     # 4. The switch: one PUT of the pointer.
     switch_manifest(store, Manifest(gen if report.outputs else manifest.generation,
                                     superseded, now))
+    if grace_ms <= 0:
+        # No grace: delete the replaced objects right after the switch (index files first),
+        # so raw globs (which do not read the manifest) double count only between an
+        # output's upload and here. They stay listed as superseded until the next run.
+        for key in report.inputs:
+            p = layout.parse_object_key(key)
+            if p is not None:
+                store.delete(p.index_key)
+            store.delete(key)
     if not report.outputs:
         report.generation = manifest.generation
     return report
@@ -151,7 +168,7 @@ def retention(store: ObjectStore, days: int, *, now_ms: int | None = None,
     cutoff = (datetime.fromtimestamp(now / 1000, tz=UTC) - timedelta(days=days)).strftime(
         "%Y-%m-%d")
     doomed: list[str] = []
-    for prefix in (layout.EVENTS, layout.INDEX):
+    for prefix in (layout.EVENTS, layout.INDEX, layout.CONFLICTS):
         for info in store.list(prefix):
             p = layout.parse_object_key(info.key)
             if p is not None and p.date < cutoff:

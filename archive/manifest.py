@@ -83,7 +83,8 @@ def live_objects(store: ObjectStore, manifest: Manifest, area: str = "events",
     """Live ``events`` objects, or the ``index`` files of live objects, optionally for one task
     and an inclusive date range."""
     out: list[tuple[layout.ObjectPath, ObjectInfo]] = []
-    prefix = layout.EVENTS if area == "events" else layout.INDEX
+    prefix = {"events": layout.EVENTS, "index": layout.INDEX,
+              "conflicts": layout.CONFLICTS}[area]
     lo, hi = dates
     if lo is not None and lo == hi:
         prefix += f"date={lo}/"

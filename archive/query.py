@@ -25,7 +25,6 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from trajbus.archive import layout
 from trajbus.archive.index import INDEX_SCHEMA
 from trajbus.archive.manifest import Manifest, live_objects, read_manifest
 from trajbus.archive.rows import ARCHIVE_SCHEMA
@@ -127,38 +126,51 @@ class ArchiveReader:
 
     # -- SQL -------------------------------------------------------------------------------
     def connect(self, database: str = ":memory:") -> Any:
-        """A DuckDB connection with views ``events`` and ``episodes`` over the live objects."""
+        """A DuckDB connection with views over the live objects of one manifest generation:
+        ``events`` (one row per event), ``conflicts`` (conflicting copies, kept apart) and
+        ``episode_objects`` (the per-object episode index)."""
         import duckdb
 
         m = self.manifest()
         con = duckdb.connect(database)
-        events = [info.key for _, info in live_objects(self.store, m, "events")]
-        index = [info.key for _, info in live_objects(self.store, m, "index")]
-        if isinstance(self.store, LocalStore):
-            _local_view(con, "events", [self.store.duckdb_path(k) for k in events],
-                        ARCHIVE_SCHEMA, hive=True)
-            _local_view(con, "episodes", [self.store.duckdb_path(k) for k in index],
-                        INDEX_SCHEMA, hive=False)
-        else:
+        areas = {name: [info.key for _, info in live_objects(self.store, m, area)]
+                 for name, area in (("events", "events"), ("conflicts", "conflicts"),
+                                    ("episode_objects", "index"))}
+        for name, keys in areas.items():
+            hive = name != "episode_objects"
+            schema = ARCHIVE_SCHEMA if hive else INDEX_SCHEMA
+            if isinstance(self.store, LocalStore):
+                _local_view(con, name, [self.store.duckdb_path(k) for k in keys], schema,
+                            hive=hive)
+                continue
             fs, base = self.store.arrow_filesystem()
-            part = ds.partitioning(pa.schema([("date", pa.string()), ("hour", pa.string())]),
-                                   flavor="hive")
-            if events:
-                ev = ds.dataset([f"{base}/{k}" for k in events], format="parquet",
-                                filesystem=fs, partitioning=part,
-                                partition_base_dir=f"{base}/{layout.EVENTS.rstrip('/')}",
-                                schema=ARCHIVE_SCHEMA.append(pa.field("date", pa.string()))
-                                .append(pa.field("hour", pa.string())))
+            if not keys:
+                dataset = ds.dataset(_with_partitions(schema, hive).empty_table())
+            elif hive:
+                area = keys[0].split("/", 1)[0]
+                dataset = ds.dataset([f"{base}/{k}" for k in keys], format="parquet",
+                                     filesystem=fs, partitioning=ds.partitioning(
+                                         PARTITION_SCHEMA, flavor="hive"),
+                                     partition_base_dir=f"{base}/{area}",
+                                     schema=_with_partitions(schema, hive))
             else:
-                ev = ds.dataset(ARCHIVE_SCHEMA.empty_table())
-            ix = (ds.dataset([f"{base}/{k}" for k in index], format="parquet", filesystem=fs,
-                             schema=INDEX_SCHEMA) if index
-                  else ds.dataset(INDEX_SCHEMA.empty_table()))
-            con.register("_events_ds", ev)
-            con.register("_episodes_ds", ix)
-            con.execute("CREATE VIEW events AS SELECT * FROM _events_ds")
-            con.execute("CREATE VIEW episodes AS SELECT * FROM _episodes_ds")
+                dataset = ds.dataset([f"{base}/{k}" for k in keys], format="parquet",
+                                     filesystem=fs, schema=schema)
+            con.register(f"_{name}_ds", dataset)
+            con.execute(f"CREATE VIEW {name} AS SELECT * FROM _{name}_ds")
+        con.execute("CREATE VIEW episodes AS SELECT * FROM episode_objects")
         return con
+
+
+PARTITION_SCHEMA = pa.schema([("date", pa.string()), ("hour", pa.string())])
+
+
+def _with_partitions(schema: pa.Schema, hive: bool) -> pa.Schema:
+    if not hive:
+        return schema
+    for f in PARTITION_SCHEMA:
+        schema = schema.append(f)
+    return schema
 
 
 def columns_with_keys(columns: list[str] | None) -> list[str] | None:

@@ -9,6 +9,7 @@ One schema for all kinds and all schema versions means a schema change never spl
 * ``payload_json``: every other field of the record as canonical JSON (sorted keys; bytes as
   ``{"$b64": "..."}``), including fields added by a newer schema version;
 * ``data``: a trace chunk's inline bytes (binary); ``blob_uri``: its claim-check reference;
+* ``event_digest``: blake2b-64 of the record bytes (int64), what re-sent copies are compared by;
 * ``kafka_topic, kafka_partition, kafka_offset``: the source position (the exactly-once key).
 
 :data:`ARCHIVE_SCHEMA` is fixed; :func:`to_row` never adds columns. :func:`row_to_record`
@@ -67,6 +68,7 @@ ARCHIVE_SCHEMA = pa.schema(
         pa.field("payload_json", pa.string()),
         pa.field("data", pa.binary()),
         pa.field("blob_uri", pa.string()),
+        pa.field("event_digest", pa.int64()),
         pa.field("kafka_topic", pa.string()),
         pa.field("kafka_partition", pa.int32()),
         pa.field("kafka_offset", pa.int64()),
@@ -159,6 +161,7 @@ def to_row(kind: str, record: Mapping[str, Any], topic: str, partition: int,
     )
     row["data"] = data
     row["blob_uri"] = blob_uri
+    row["event_digest"] = None
     row["kafka_topic"] = topic
     row["kafka_partition"] = partition
     row["kafka_offset"] = offset

@@ -23,7 +23,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from trajbus.archive import layout
 from trajbus.archive.index import approx_row_bytes, build_index, index_to_bytes
 from trajbus.archive.rows import ARCHIVE_SCHEMA
-from trajbus.archive.storage import ObjectStore
+from trajbus.archive.storage import ObjectNotFoundError, ObjectStore
 
 SORT_COLUMNS = ["sandbox", "episode", "seq", "kafka_offset"]
 DICTIONARY_COLUMNS = ["task", "sandbox", "episode", "kind", "producer_id", "tool", "status",
@@ -51,6 +51,7 @@ class WrittenObject:
     rows: int
     bytes: int
     row_groups: int
+    index: pa.Table | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,7 @@ class BatchResult:
     last_offset: int
     objects: list[WrittenObject]
     marker_key: str
+    conflicts: list[WrittenObject] = field(default_factory=list)
 
 
 def _dense_rank(col: pa.ChunkedArray | pa.Array) -> pa.Array:
@@ -160,7 +162,8 @@ class ArchiveWriter:
         self.compression_level = compression_level
         self.tmp_dir = tmp_dir
 
-    def write_object(self, table: pa.Table, key: str, index_key: str, date: str, hour: str,
+    def write_object(self, table: pa.Table, key: str, index_key: str | None, date: str,
+                     hour: str,
                      metadata: dict[str, str] | None = None,
                      sort: bool = True) -> WrittenObject:
         """Write one object (sorted unless ``sort=False``) plus its index file."""
@@ -187,34 +190,63 @@ class ArchiveWriter:
             size = self.store.put_file(key, tmp)
         finally:
             os.unlink(tmp)
-        index = build_index(table, key, date, hour, starts)
-        self.store.put_bytes(index_key, index_to_bytes(index))
+        index: pa.Table | None = None
+        if index_key is not None:
+            index = build_index(table, key, date, hour, starts)
+            self.store.put_bytes(index_key, index_to_bytes(index))
         task = table.column("task")[0].as_py() if table.num_rows else ""
-        return WrittenObject(key, index_key, date, hour, task, table.num_rows, size,
-                             len(starts) if table.num_rows else 0)
+        return WrittenObject(key, index_key or "", date, hour, task, table.num_rows, size,
+                             len(starts) if table.num_rows else 0, index)
 
     def write_batch(self, table: pa.Table, topic: str, partition: int, first_offset: int,
                     last_offset: int,
-                    before_marker: Callable[[], None] | None = None) -> BatchResult:
-        """Write one flushed (topic, partition) batch; see the module docstring."""
-        objects: list[WrittenObject] = []
+                    before_marker: Callable[[], None] | None = None,
+                    conflicts: pa.Table | None = None) -> BatchResult:
+        """Write one flushed (topic, partition) batch; see the module docstring.
+
+        The batch marker is written *first*, naming every key the batch will write: a crash
+        at any point after it leaves a marker, so the batch is replayed with exactly the same
+        boundary (same keys, overwritten). A replay whose rows produce fewer objects than the
+        earlier attempt deletes the earlier attempt's extra keys before writing. Conflicting
+        copies (``conflicts``) go to ``conflicts/`` objects of the same name (no index).
+        ``before_marker`` (tests) runs after the objects, before the batch is reported done."""
         meta = {"trajbus.kafka_topic": topic, "trajbus.kafka_partition": str(partition),
                 "trajbus.first_offset": str(first_offset),
                 "trajbus.last_offset": str(last_offset)}
+        planned: list[tuple[str, str, str, str, pa.Table, str, str | None]] = []
         for date, hour, task, rows in split_groups(table):
             name = layout.batch_object_name(topic, partition, first_offset, last_offset, hour)
-            objects.append(self.write_object(
-                rows, layout.events_key(date, hour, task, name),
-                layout.index_key(date, task, name), date, hour, meta, sort=False,
-            ))
-        if before_marker is not None:
-            before_marker()
+            planned.append(("events", date, hour, task, rows,
+                            layout.events_key(date, hour, task, name),
+                            layout.index_key(date, task, name)))
+        if conflicts is not None and conflicts.num_rows:
+            for date, hour, task, rows in split_groups(conflicts):
+                name = layout.batch_object_name(topic, partition, first_offset, last_offset,
+                                                hour)
+                planned.append(("conflicts", date, hour, task, rows,
+                                layout.conflicts_key(date, hour, task, name), None))
+        keys = [k for p in planned for k in (p[5], p[6]) if k is not None]
         marker = layout.batch_marker_key(topic, partition, first_offset, last_offset)
+        try:
+            earlier = json.loads(self.store.get_bytes(marker)).get("keys", [])
+        except ObjectNotFoundError:
+            earlier = []
         self.store.put_bytes(marker, json.dumps({
             "topic": topic, "partition": partition, "first_offset": first_offset,
-            "last_offset": last_offset, "objects": [asdict(o) for o in objects],
+            "last_offset": last_offset, "keys": keys,
         }, sort_keys=True).encode())
-        return BatchResult(topic, partition, first_offset, last_offset, objects, marker)
+        # index files before data objects: an index row never points at a missing object
+        for key in sorted(set(earlier) - set(keys), key=lambda k: not k.startswith("index/")):
+            self.store.delete(key)
+        objects: list[WrittenObject] = []
+        conflict_objects: list[WrittenObject] = []
+        for area, date, hour, _task, rows, key, index_key in planned:
+            written = self.write_object(rows, key, index_key, date, hour, meta, sort=False)
+            (objects if area == "events" else conflict_objects).append(written)
+        if before_marker is not None:
+            before_marker()
+        return BatchResult(topic, partition, first_offset, last_offset, objects, marker,
+                           conflict_objects)
 
     def clear_marker(self, result: BatchResult) -> None:
         """After the commit: the batch is durable and committed, the marker is no longer

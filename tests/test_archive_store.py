@@ -71,9 +71,10 @@ def shell_for(store: ObjectStore, tmp_path: Path, codec: Codec | None = None,
 
 
 def archive_all(store: ObjectStore, tmp_path: Path, events: list[Event], **cfg: Any) -> None:
+    """Archive ``events`` and commit every batch (as the Kafka shell does after its commit)."""
     sh = shell_for(store, tmp_path, **cfg)
-    sh.process(records(events))
-    sh.flush_all()
+    step = sh.process(records(events))
+    sh.committed(step.batches + sh.flush_all().batches)
 
 
 @pytest.fixture
