@@ -81,6 +81,19 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="JSON lines output")
     s.set_defaults(archive_func=_cmd_sql)
 
+    ep = sub.add_parser("episodes", help="the episode table: one row per episode",
+                        description="One row per (task, sandbox, episode) across topics and "
+                        "objects: seq range, event count, start/end time, outcome, "
+                        "completeness (complete / truncated / has_gaps / in_progress) and the "
+                        "gap ranges. Printed as JSON lines, written to --out, or published into "
+                        "the archive as plain Parquet (episodes/episodes.parquet) with "
+                        "--publish. `trajbus archive sql` has it as the view 'episodes'.")
+    ep.add_argument("--task", help="only this task")
+    ep.add_argument("--out", metavar="FILE", help="write the table to this Parquet file")
+    ep.add_argument("--publish", action="store_true",
+                    help="write it to episodes/episodes.parquet in the archive")
+    ep.set_defaults(archive_func=_cmd_episodes)
+
     c = sub.add_parser("compact", help="merge small objects; swap them in atomically",
                        description="Merge small objects of each (date, hour, task) into large "
                        "ones, then switch the manifest pointer in one write: readers see the old "
@@ -208,7 +221,8 @@ def _cmd_sql(args: argparse.Namespace) -> int:
 
     reader = ArchiveReader(_store(args))
     for attempt in range(3):
-        con = reader.connect()  # resolves the compaction manifest (again, on a retry)
+        # resolves the compaction manifest (again, on a retry)
+        con = reader.connect(episodes="episodes" in args.query.lower())
         try:
             cur = con.execute(args.query)
             cols = [d[0] for d in cur.description] if cur.description else []
@@ -232,6 +246,25 @@ def _cmd_sql(args: argparse.Namespace) -> int:
         print("\t".join(cols))
         for row in rows:
             print("\t".join("" if v is None else str(_jsonable(v)) for v in row))
+    return 0
+
+
+def _cmd_episodes(args: argparse.Namespace) -> int:
+    import pyarrow.parquet as pq
+
+    from trajbus.archive.episodes import publish_episodes
+    from trajbus.archive.query import ArchiveReader
+
+    store = _store(args)
+    table = ArchiveReader(store).episodes(args.task)
+    if args.out:
+        pq.write_table(table, args.out, compression="zstd")
+    if args.publish:
+        print(f"published {table.num_rows} episodes to {publish_episodes(store, table)}",
+              file=sys.stderr)
+    if not args.out and not args.publish:
+        for r in table.to_pylist():
+            print(json.dumps(r, default=str, sort_keys=True))
     return 0
 
 

@@ -17,6 +17,7 @@ of the listed objects (``pyarrow.parquet.ParquetFile.read_row_groups``).
 
 from __future__ import annotations
 
+import datetime
 import io
 from collections.abc import Sequence
 from typing import Any
@@ -25,15 +26,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+SEQ_RANGE = pa.struct([("first", pa.int64()), ("last", pa.int64())])
+"""An inclusive range of seqs: the index's ``seq_runs`` and the episode table's ``gaps``."""
+
 INDEX_SCHEMA = pa.schema([
     ("task", pa.string()),
     ("sandbox", pa.string()),
     ("episode", pa.string()),
     ("object_key", pa.string()),
-    ("date", pa.string()),
-    ("hour", pa.string()),
+    ("date", pa.date32()),
+    ("hour", pa.int32()),
     ("first_seq", pa.int64()),
     ("last_seq", pa.int64()),
+    ("end_seq", pa.int64()),
+    ("seq_runs", pa.list_(SEQ_RANGE)),
     ("event_count", pa.int64()),
     ("distinct_seqs", pa.int64()),
     ("bytes", pa.int64()),
@@ -84,6 +90,8 @@ def build_index(table: pa.Table, object_key: str, date: str, hour: str,
         "i": _row_numbers(n),
         "b": approx_row_bytes(table),
         "end": pc.equal(table.column("kind"), "EpisodeEnd"),
+        "end_seq": pc.if_else(pc.equal(table.column("kind"), "EpisodeEnd"),
+                              table.column("seq"), pa.scalar(None, pa.int64())),
         "outcome": pc.if_else(pc.equal(table.column("kind"), "EpisodeEnd"),
                               table.column("outcome"), pa.scalar(None, pa.string())),
         "topic": table.column("kafka_topic"),
@@ -93,10 +101,44 @@ def build_index(table: pa.Table, object_key: str, date: str, hour: str,
     agg = work.group_by(["task", "sandbox", "episode"], use_threads=False).aggregate([
         ("seq", "min"), ("seq", "max"), ("seq", "count"), ("seq", "count_distinct"),
         ("t", "min"), ("t", "max"), ("i", "min"), ("i", "max"), ("b", "sum"),
-        ("end", "any"), ("outcome", "max"), ("topic", "min"), ("part", "min"),
-        ("off", "min"), ("off", "max"),
+        ("end", "any"), ("end_seq", "max"), ("outcome", "max"), ("topic", "min"),
+        ("part", "min"), ("off", "min"), ("off", "max"),
     ])
-    return _index_rows(agg, object_key, date, hour, list(row_group_starts))
+    return _index_rows(agg, _seq_runs(work, agg), object_key, date, hour,
+                       list(row_group_starts))
+
+
+def _seq_runs(work: pa.Table, agg: pa.Table) -> pa.Array:
+    """Per aggregate row (same order as ``agg``): the episode's seqs in this object as
+    maximal runs of consecutive seqs, ``[{first, last}, ...]``. ``work`` is in file order,
+    sorted by (sandbox, episode, seq); group_by without threads keeps first-appearance order,
+    so the runs' groups come out in the order of ``agg``'s."""
+    from trajbus.archive.writer import _dense_rank  # here: writer imports this module
+
+    n = work.num_rows
+    seq = work.column("seq").combine_chunks()
+    key = pc.add(pc.multiply(pc.fill_null(_dense_rank(work.column("sandbox")), -1), n + 1),
+                 pc.fill_null(_dense_rank(work.column("episode")), -1))
+    if n > 1:
+        cont = pc.and_(pc.equal(key.slice(1), key.slice(0, n - 1)),
+                       pc.less_equal(pc.subtract(seq.slice(1), seq.slice(0, n - 1)), 1))
+        start = pa.concat_arrays([pa.array([True]), pc.invert(cont)])
+    else:
+        start = pa.array([True] * n)
+    end = pa.concat_arrays([start.slice(1), pa.array([True])]) if n else start
+    runs = pa.table({
+        "task": work.column("task").filter(start), "sandbox": work.column("sandbox").filter(start),
+        "episode": work.column("episode").filter(start),
+        "first": seq.filter(start), "last": seq.filter(end),
+    }).group_by(["task", "sandbox", "episode"], use_threads=False).aggregate(
+        [("first", "list"), ("last", "list")])
+    if runs.column("sandbox").to_pylist() != agg.column("sandbox").to_pylist() or \
+            runs.column("episode").to_pylist() != agg.column("episode").to_pylist():
+        raise AssertionError("index: run groups out of order")  # pragma: no cover
+    firsts = runs.column("first_list").combine_chunks()
+    lasts = runs.column("last_list").combine_chunks()
+    return pa.ListArray.from_arrays(firsts.offsets, pa.StructArray.from_arrays(
+        [firsts.values, lasts.values], fields=list(SEQ_RANGE)))
 
 
 def _row_group_of(i: pa.Array, starts: list[int]) -> pa.Array:
@@ -107,7 +149,7 @@ def _row_group_of(i: pa.Array, starts: list[int]) -> pa.Array:
     return rg
 
 
-def _index_rows(agg: pa.Table, object_key: str, date: str, hour: str,
+def _index_rows(agg: pa.Table, runs: pa.Array, object_key: str, date: str, hour: str,
                 starts: list[int]) -> pa.Table:
     """The index table from the per-episode aggregates, computed column-wise."""
     n = agg.num_rows
@@ -127,11 +169,16 @@ def _index_rows(agg: pa.Table, object_key: str, date: str, hour: str,
     def const(v: str) -> pa.Array:
         return pa.nulls(n, pa.string()).fill_null(v)
 
+    day = pa.scalar(datetime.date.fromisoformat(date), pa.date32())
+
     cols = {
         "task": agg.column("task"), "sandbox": agg.column("sandbox"),
         "episode": agg.column("episode"),
-        "object_key": const(object_key), "date": const(date), "hour": const(hour),
-        "first_seq": first, "last_seq": last, "event_count": agg.column("seq_count"),
+        "object_key": const(object_key),
+        "date": pa.nulls(n, pa.date32()).fill_null(day),
+        "hour": pa.nulls(n, pa.int32()).fill_null(int(hour)),
+        "first_seq": first, "last_seq": last, "end_seq": agg.column("end_seq_max"),
+        "seq_runs": runs, "event_count": agg.column("seq_count"),
         "distinct_seqs": distinct, "bytes": agg.column("b_sum"),
         "start_time_ms": agg.column("t_min"), "end_time_ms": agg.column("t_max"),
         "has_start": has_start, "has_end": has_end, "outcome": outcome,

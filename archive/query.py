@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from trajbus.archive.episodes import build_episodes
 from trajbus.archive.index import INDEX_SCHEMA
 from trajbus.archive.manifest import Manifest, live_objects, read_manifest
 from trajbus.archive.rows import ARCHIVE_SCHEMA
@@ -125,10 +126,11 @@ class ArchiveReader:
         return _select_episode(parts, sandbox, episode, None)
 
     # -- SQL -------------------------------------------------------------------------------
-    def connect(self, database: str = ":memory:") -> Any:
+    def connect(self, database: str = ":memory:", episodes: bool = True) -> Any:
         """A DuckDB connection with views over the live objects of one manifest generation:
-        ``events`` (one row per event), ``conflicts`` (conflicting copies, kept apart) and
-        ``episode_objects`` (the per-object episode index)."""
+        ``events`` (one row per event), ``conflicts`` (conflicting copies, kept apart),
+        ``episode_objects`` (the per-object episode index) and, unless ``episodes=False``,
+        ``episodes`` (one row per episode, computed from the index when connecting)."""
         import duckdb
 
         m = self.manifest()
@@ -158,8 +160,15 @@ class ArchiveReader:
                                      filesystem=fs, schema=schema)
             con.register(f"_{name}_ds", dataset)
             con.execute(f"CREATE VIEW {name} AS SELECT * FROM _{name}_ds")
-        con.execute("CREATE VIEW episodes AS SELECT * FROM episode_objects")
+        if episodes:
+            con.register("_episodes_table", self.episodes(manifest=m))
+            con.execute("CREATE VIEW episodes AS SELECT * FROM _episodes_table")
         return con
+
+    def episodes(self, task: str | None = None, manifest: Manifest | None = None) -> pa.Table:
+        """The episode table (one row per task, sandbox, episode; see ``episodes.py``),
+        built from the index of the live objects."""
+        return build_episodes(self.index(task, manifest=manifest))
 
 
 PARTITION_SCHEMA = pa.schema([("date", pa.string()), ("hour", pa.string())])

@@ -1,0 +1,144 @@
+"""The episode table: one row per (task, sandbox, episode), across topics and objects.
+
+Built from the episode index of the live objects (``index/``: one row per task, sandbox,
+episode and object, with the object's ``seq_runs``), so it never reads event data:
+
+* ``first_seq``/``last_seq``: lowest and highest archived seq; ``end_seq``: the EpisodeEnd's
+  seq (null until it is archived); ``event_count``: archived events (one row per event);
+* ``start_time``/``end_time`` (UTC TIMESTAMP, and the ``*_ms`` integers): event-time span;
+* ``outcome``: the EpisodeEnd's (``TERMINAL``/``TRUNCATED``), null without one;
+* ``gaps``: the seqs missing from ``[0, end_seq]`` (``[0, last_seq]`` without an end) as
+  inclusive ranges ``[{first, last}]``; ``missing_seqs`` counts them;
+* ``completeness``: ``has_gaps`` if any seq is missing (whatever else is known), else
+  ``truncated`` (ended TRUNCATED), ``complete`` (ended TERMINAL) or ``in_progress`` (no
+  EpisodeEnd archived yet: still running, or the sandbox was recycled without one);
+* ``topics``: the raw topics its events came from; ``objects``: data objects holding them.
+
+Sandbox lifecycle streams (``episode`` null) are not episodes and are not in the table.
+:func:`publish_episodes` writes it as plain Parquet to ``episodes/episodes.parquet``.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections import defaultdict
+from datetime import UTC, datetime
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from trajbus.archive.index import SEQ_RANGE
+from trajbus.archive.storage import ObjectStore
+
+EPISODES_KEY = "episodes/episodes.parquet"
+TS = pa.timestamp("ms", tz="UTC")
+
+EPISODES_SCHEMA = pa.schema([
+    ("task", pa.string()),
+    ("sandbox", pa.string()),
+    ("episode", pa.string()),
+    ("date", pa.date32()),
+    ("first_seq", pa.int64()),
+    ("last_seq", pa.int64()),
+    ("end_seq", pa.int64()),
+    ("event_count", pa.int64()),
+    ("start_time", TS),
+    ("end_time", TS),
+    ("start_time_ms", pa.int64()),
+    ("end_time_ms", pa.int64()),
+    ("outcome", pa.string()),
+    ("completeness", pa.string()),
+    ("missing_seqs", pa.int64()),
+    ("gaps", pa.list_(SEQ_RANGE)),
+    ("has_start", pa.bool_()),
+    ("has_end", pa.bool_()),
+    ("topics", pa.list_(pa.string())),
+    ("objects", pa.int32()),
+], metadata={b"trajbus.archive.episodes": b"1"})
+
+
+def merge_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Union of inclusive ranges, as sorted disjoint non-adjacent ranges."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(runs):
+        if out and lo <= out[-1][1] + 1:
+            if hi > out[-1][1]:
+                out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def gaps_of(covered: list[tuple[int, int]], upper: int) -> list[tuple[int, int]]:
+    """The ranges of ``[0, upper]`` not in ``covered`` (merged, sorted)."""
+    gaps: list[tuple[int, int]] = []
+    nxt = 0
+    for lo, hi in covered:
+        if lo > upper:
+            break
+        if lo > nxt:
+            gaps.append((nxt, lo - 1))
+        nxt = max(nxt, hi + 1)
+    if nxt <= upper:
+        gaps.append((nxt, upper))
+    return gaps
+
+
+def build_episodes(index: pa.Table) -> pa.Table:
+    """The episode table from index rows (of live objects only, or events count twice)."""
+    cols = ["task", "sandbox", "episode", "object_key", "first_seq", "last_seq", "end_seq",
+            "seq_runs", "start_time_ms", "end_time_ms", "outcome", "kafka_topic"]
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in index.select(cols).to_pylist():
+        if r["episode"] is not None:
+            groups[(r["task"], r["sandbox"], r["episode"])].append(r)
+    out: dict[str, list[Any]] = {f.name: [] for f in EPISODES_SCHEMA}
+    for (task, sandbox, episode), rows in sorted(groups.items()):
+        runs = merge_runs([(x["first"], x["last"]) for r in rows for x in r["seq_runs"] or ()])
+        ends = [r["end_seq"] for r in rows if r["end_seq"] is not None]
+        outcomes = [r["outcome"] for r in rows if r["outcome"] is not None]
+        has_end = bool(ends)
+        first = min(r["first_seq"] for r in rows)
+        last = max(r["last_seq"] for r in rows)
+        upper = max(ends) if has_end else last
+        gaps = gaps_of(runs, upper)
+        if gaps:
+            completeness = "has_gaps"
+        elif not has_end:
+            completeness = "in_progress"
+        elif outcomes and max(outcomes) == "TRUNCATED":
+            completeness = "truncated"
+        else:
+            completeness = "complete"
+        start = min(r["start_time_ms"] for r in rows)
+        end = max(r["end_time_ms"] for r in rows)
+        values = {
+            "task": task, "sandbox": sandbox, "episode": episode,
+            "date": datetime.fromtimestamp(start / 1000, tz=UTC).date(),
+            "first_seq": first, "last_seq": last, "end_seq": max(ends) if ends else None,
+            "event_count": sum(hi - lo + 1 for lo, hi in runs),
+            "start_time": start, "end_time": end, "start_time_ms": start, "end_time_ms": end,
+            "outcome": max(outcomes) if outcomes else None, "completeness": completeness,
+            "missing_seqs": sum(hi - lo + 1 for lo, hi in gaps),
+            "gaps": [{"first": lo, "last": hi} for lo, hi in gaps],
+            "has_start": first == 0, "has_end": has_end,
+            "topics": sorted({r["kafka_topic"] for r in rows if r["kafka_topic"]}),
+            "objects": len({r["object_key"] for r in rows}),
+        }
+        for k, v in values.items():
+            out[k].append(v)
+    return pa.table({f.name: pa.array(out[f.name], f.type) for f in EPISODES_SCHEMA},
+                    schema=EPISODES_SCHEMA)
+
+
+def publish_episodes(store: ObjectStore, table: pa.Table) -> str:
+    """Write the episode table as one plain Parquet object (atomic replace); returns its key.
+    It is a snapshot: the Parquet metadata ``trajbus.as_of_ms`` says when it was built."""
+    buf = io.BytesIO()
+    meta = {**(table.schema.metadata or {}), b"trajbus.as_of_ms": str(int(time.time() * 1000))
+            .encode()}
+    pq.write_table(table.replace_schema_metadata(meta), buf, compression="zstd")
+    store.put_bytes(EPISODES_KEY, buf.getvalue())
+    return EPISODES_KEY

@@ -1,0 +1,121 @@
+"""Specification of the episode table: one row per (task, sandbox, episode), true across
+topics (events and trace chunks travel on different topics) and objects (small objects split
+every episode), with completeness complete / truncated / has_gaps (with the gap ranges) /
+in_progress — from ``trajbus archive sql`` and as plain Parquet."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+from test_archive_store import T0, shell_for
+
+from trajbus.archive import cli as archive_cli
+from trajbus.archive.episodes import EPISODES_KEY, gaps_of, merge_runs
+from trajbus.archive.query import ArchiveReader
+from trajbus.archive.storage import LocalStore
+from trajbus.archive.synth import episode_events
+from trajbus.schemas.models import EpisodeOutcome, Event, TraceChunk
+
+EVENTS, CHUNKS = "p.sandbox.events", "p.trace.chunks"
+
+
+def routed(events: list[Event]) -> list[Any]:
+    """Records as the emitters send them: trace chunks on their own topic."""
+    offsets = {EVENTS: 0, CHUNKS: 0}
+    out = []
+    for e in events:
+        topic = CHUNKS if isinstance(e, TraceChunk) else EVENTS
+        out.append(SimpleNamespace(topic=topic, partition=0, offset=offsets[topic],
+                                   key=e.header.sandbox.encode(), value=e.encode()))
+        offsets[topic] += 1
+    return out
+
+
+def scenario() -> list[Event]:
+    trace = b"x" * 300  # 5 chunks of 64 bytes: seqs 7..11 on the chunk topic
+    ok = episode_events("web", "sb-0", "ok", t0_ms=T0, trace=trace)
+    cut = episode_events("web", "sb-1", "cut", t0_ms=T0, trace=trace,
+                         outcome=EpisodeOutcome.TRUNCATED)
+    gappy = [e for e in episode_events("web", "sb-2", "gappy", t0_ms=T0, trace=trace)
+             if e.header.seq not in (3, 4, 9)]
+    running = episode_events("web", "sb-3", "running", t0_ms=T0, trace=trace)[:-1]
+    late_start = [e for e in episode_events("code", "sb-4", "late", t0_ms=T0, trace=trace)
+                  if e.header.seq >= 2]
+    return ok + cut + gappy + running + late_start
+
+
+@pytest.fixture
+def archive(tmp_path: Path) -> LocalStore:
+    store = LocalStore(tmp_path / "a")
+    sh = shell_for(store, tmp_path, target_object_bytes=1_500)  # many small objects
+    step = sh.process(routed(scenario()))
+    sh.committed(step.batches + sh.flush_all().batches)
+    return store
+
+
+EXPECTED = {
+    # episode: (completeness, event_count, first, last, end, outcome, gaps)
+    "ok": ("complete", 13, 0, 12, 12, "TERMINAL", []),
+    "cut": ("truncated", 13, 0, 12, 12, "TRUNCATED", []),
+    "gappy": ("has_gaps", 10, 0, 12, 12, "TERMINAL", [(3, 4), (9, 9)]),
+    "running": ("in_progress", 12, 0, 11, None, None, []),
+    "late": ("has_gaps", 11, 2, 12, 12, "TERMINAL", [(0, 1)]),
+}
+
+
+def check(rows: list[dict[str, Any]]) -> None:
+    got = {r["episode"]: (r["completeness"], r["event_count"], r["first_seq"], r["last_seq"],
+                          r["end_seq"], r["outcome"],
+                          [(g["first"], g["last"]) for g in r["gaps"]]) for r in rows}
+    assert len(rows) == len(got), "one row per episode"
+    assert got == EXPECTED
+
+
+def test_episodes_view_has_one_true_row_per_episode_across_topics_and_objects(
+        archive: LocalStore) -> None:
+    objects = ArchiveReader(archive).connect().execute(
+        "SELECT episode, count(DISTINCT object_key) FROM episode_objects "
+        "WHERE episode IS NOT NULL GROUP BY ALL").fetchall()
+    assert all(n > 1 for _, n in objects), "the scenario must split every episode"
+    con = ArchiveReader(archive).connect()
+    cur = con.execute("SELECT * FROM episodes ORDER BY episode")
+    names = [d[0] for d in cur.description]
+    rows = [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+    check(rows)
+    ok = next(r for r in rows if r["episode"] == "ok")
+    assert sorted(ok["topics"]) == sorted([EVENTS, CHUNKS])
+    assert ok["start_time"].timestamp() * 1000 == ok["start_time_ms"] == T0
+    assert ok["end_time_ms"] == T0 + 12_000
+    assert str(con.execute("SELECT typeof(start_time), typeof(date) FROM episodes LIMIT 1")
+               .fetchall()[0]) == "('TIMESTAMP WITH TIME ZONE', 'DATE')"
+    assert con.execute("SELECT count(*) FROM episodes WHERE completeness <> 'complete'"
+                       ).fetchall() == [(4,)]
+
+
+def test_episode_table_as_plain_parquet(archive: LocalStore, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "episodes.parquet"
+    args = argparse.Namespace(url=str(archive.root), endpoint_url=None, task=None,
+                              out=str(out), publish=True)
+    assert archive_cli._cmd_episodes(args) == 0
+    check(pq.read_table(out).to_pylist())
+    published = archive.root / EPISODES_KEY
+    check(duckdb.sql(f"SELECT * FROM read_parquet('{published}')").pl().to_dicts())
+    args.out, args.publish = None, False
+    assert archive_cli._cmd_episodes(args) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {r["episode"] for r in printed} == set(EXPECTED)
+
+
+def test_gap_arithmetic() -> None:
+    assert merge_runs([(5, 6), (0, 2), (3, 4), (8, 9), (9, 12)]) == [(0, 6), (8, 12)]
+    assert merge_runs([(0, 3), (5, 6)]) == [(0, 3), (5, 6)]
+    assert gaps_of([(2, 4), (7, 7)], 9) == [(0, 1), (5, 6), (8, 9)]
+    assert gaps_of([(0, 9)], 9) == []
