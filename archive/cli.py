@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import datetime
 import json
 import signal
 import sys
@@ -171,8 +172,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _jsonable(v: Any) -> Any:
+    """Bytes as base64, timestamps and dates as ISO 8601 (UTC), the rest as is."""
     if isinstance(v, bytes):
         return base64.b64encode(v).decode("ascii")
+    if isinstance(v, datetime.date):  # datetime.datetime is a date too
+        return v.isoformat()
     return v
 
 

@@ -171,7 +171,8 @@ class ArchiveReader:
         return build_episodes(self.index(task, manifest=manifest))
 
 
-PARTITION_SCHEMA = pa.schema([("date", pa.string()), ("hour", pa.string())])
+PARTITION_SCHEMA = pa.schema([("date", pa.date32()), ("hour", pa.int32())])
+"""The hive partition columns' types, the same in every view and every documented reader."""
 
 
 def _with_partitions(schema: pa.Schema, hive: bool) -> pa.Schema:
@@ -206,14 +207,16 @@ def _local_view(con: Any, name: str, paths: list[str], schema: pa.Schema, hive: 
     if not paths:
         empty = schema.empty_table()
         if hive:
-            empty = empty.append_column("date", pa.array([], pa.date32())).append_column(
-                "hour", pa.array([], pa.int64()))
+            empty = _with_partitions(schema, hive).empty_table()
         con.register(f"_{name}_empty", empty)
         con.execute(f"CREATE VIEW {name} AS SELECT * FROM _{name}_empty")
         return
     listing = ", ".join("'" + p.replace("'", "''") + "'" for p in paths)
-    con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet([{listing}], "
-                f"hive_partitioning={'true' if hive else 'false'})")
+    options = ("hive_partitioning=true, hive_types={'date': DATE, 'hour': INTEGER}"
+               if hive else "hive_partitioning=false")
+    # union_by_name: files of an older archive schema (fewer columns) read with newer ones
+    con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet([{listing}], {options}, "
+                "union_by_name=true)")
 
 
 def reassemble_trace(events: pa.Table | Iterable[dict[str, Any]],

@@ -2,10 +2,12 @@
 
 One schema for all kinds and all schema versions means a schema change never splits files:
 
-* header columns (``event_id, task, sandbox, episode, seq, event_time_ms, producer_id,
-  policy_version, kind``);
+* header columns (``event_id, task, sandbox, episode, seq, event_time`` (UTC timestamp),
+  ``event_time_ms, producer_id, policy_version, kind``);
 * typed columns for the fields the data team filters on (tool calls, results, lifecycle,
-  episode outcome, trace chunk position);
+  episode outcome, trace chunk position); ``args_canonical``/``result_canonical`` hold the
+  producer's canonical JSON text as is (JSON encoded once, never re-encoded inside
+  ``payload_json``);
 * ``payload_json``: every other field of the record as canonical JSON (sorted keys; bytes as
   ``{"$b64": "..."}``), including fields added by a newer schema version;
 * ``data``: a trace chunk's inline bytes (binary); ``blob_uri``: its claim-check reference;
@@ -25,6 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from fastavro import parse_schema, schemaless_reader
 
 from trajbus.schemas.codec import HEADER_LEN, Codec, CorruptBodyError, Decoded
@@ -39,13 +42,18 @@ HEADER_FIELDS: tuple[tuple[str, pa.DataType], ...] = (
     ("producer_id", pa.string()),
     ("policy_version", pa.int64()),
 )
+EVENT_TIME = pa.timestamp("ms", tz="UTC")
 
 # Typed columns: a record field of this name (any kind) lands here instead of payload_json.
 TYPED_FIELDS: tuple[tuple[str, pa.DataType], ...] = (
     ("tool", pa.string()),
     ("call_id", pa.string()),
     ("args_hash", pa.string()),
+    ("args_canonical", pa.string()),
+    ("args_summary", pa.string()),
     ("result_hash", pa.string()),
+    ("result_canonical", pa.string()),
+    ("result_summary", pa.string()),
     ("status", pa.string()),
     ("duration_ms", pa.int64()),
     ("state", pa.string()),
@@ -61,7 +69,9 @@ TYPED_FIELDS: tuple[tuple[str, pa.DataType], ...] = (
 )
 
 ARCHIVE_SCHEMA = pa.schema(
-    [pa.field(n, t) for n, t in HEADER_FIELDS]
+    [pa.field(n, t) for n, t in HEADER_FIELDS[:5]]
+    + [pa.field("event_time", EVENT_TIME)]
+    + [pa.field(n, t) for n, t in HEADER_FIELDS[5:]]
     + [pa.field("kind", pa.string(), nullable=False)]
     + [pa.field(n, t) for n, t in TYPED_FIELDS]
     + [
@@ -73,7 +83,7 @@ ARCHIVE_SCHEMA = pa.schema(
         pa.field("kafka_partition", pa.int32()),
         pa.field("kafka_offset", pa.int64()),
     ],
-    metadata={b"trajbus.archive.schema": b"1"},
+    metadata={b"trajbus.archive.schema": b"2"},
 )
 COLUMNS: tuple[str, ...] = tuple(ARCHIVE_SCHEMA.names)
 _HEADER_NAMES = tuple(n for n, _ in HEADER_FIELDS)
@@ -131,6 +141,7 @@ def to_row(kind: str, record: Mapping[str, Any], topic: str, partition: int,
     """
     header = record["header"]
     row: Row = {n: header.get(n) for n in _HEADER_NAMES}
+    row["event_time"] = None  # derived from event_time_ms in rows_to_table
     row["kind"] = kind
     for name in _TYPED:
         row[name] = None
@@ -214,8 +225,18 @@ def row_nbytes(row: Row) -> int:
 
 
 def rows_to_table(rows: Sequence[Row] | Iterable[Row]) -> pa.Table:
-    """Rows (dicts with :data:`COLUMNS`) to a table of :data:`ARCHIVE_SCHEMA`."""
-    return pa.Table.from_pylist(list(rows), schema=ARCHIVE_SCHEMA)
+    """Rows (dicts with :data:`COLUMNS`; ``event_time`` is derived from ``event_time_ms``) to a
+    table of :data:`ARCHIVE_SCHEMA`."""
+    return with_event_time(pa.Table.from_pylist(list(rows), schema=ARCHIVE_SCHEMA))
+
+
+_EVENT_TIME_POS = ARCHIVE_SCHEMA.get_field_index("event_time")
+
+
+def with_event_time(table: pa.Table) -> pa.Table:
+    """``table`` with its ``event_time`` column (UTC timestamp, ms) set from ``event_time_ms``."""
+    ts = pc.cast(table.column("event_time_ms"), pa.int64()).cast(EVENT_TIME)
+    return table.set_column(_EVENT_TIME_POS, ARCHIVE_SCHEMA.field("event_time"), ts)
 
 
 def row_to_record(row: Mapping[str, Any]) -> dict[str, Any]:

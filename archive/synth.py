@@ -14,7 +14,7 @@ import hashlib
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trajbus.archive.rows import ARCHIVE_SCHEMA
+from trajbus.archive.rows import ARCHIVE_SCHEMA, with_event_time
 from trajbus.schemas.models import (
     Envelope,
     EpisodeEnd,
@@ -111,7 +111,7 @@ def synthetic_table(n_events: int, *, sandboxes: int = 1_000, tasks: int = 10,
     for f in ARCHIVE_SCHEMA:
         a = cols.get(f.name)
         arrays.append(pa.nulls(n_events, f.type) if a is None else pc.cast(a, f.type))
-    return pa.Table.from_arrays(arrays, schema=ARCHIVE_SCHEMA)
+    return with_event_time(pa.Table.from_arrays(arrays, schema=ARCHIVE_SCHEMA))
 
 
 def _mod(a: pa.Array, m: int) -> pa.Array:

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from trajbus.archive import layout
 from trajbus.archive.index import approx_row_bytes, build_index, index_to_bytes
-from trajbus.archive.rows import ARCHIVE_SCHEMA
+from trajbus.archive.rows import ARCHIVE_SCHEMA, with_event_time
 from trajbus.archive.storage import ObjectNotFoundError, ObjectStore
 
 SORT_COLUMNS = ["sandbox", "episode", "seq", "kafka_offset"]
@@ -170,6 +170,8 @@ class ArchiveWriter:
         if sort:
             table = sort_table(table, SORT_COLUMNS)
         table = table.cast(ARCHIVE_SCHEMA) if table.schema != ARCHIVE_SCHEMA else table
+        if table.column("event_time").null_count:  # rows read from an older archive schema
+            table = with_event_time(table)
         starts = row_group_starts(table, self.row_group_rows, self.row_group_bytes)
         bounds = [*starts, table.num_rows]
         schema = ARCHIVE_SCHEMA.with_metadata(
