@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from typing import Any
 
 from trajbus.bus.settings import Settings, get_settings
 from trajbus.bus.topics import Topics
@@ -28,8 +29,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     create.add_argument("--task", action="append", default=[], metavar="T",
                         help="also create the replay topic trajbus.replay.T (repeatable)")
     create.set_defaults(func=_topics_create)
-    lst = tsub.add_parser("list", help="print the catalog with each topic's settings")
+    lst = tsub.add_parser(
+        "list", help="the topics on the broker: catalog, replay (per task), debug, state",
+        description="Ask the broker which topics exist under the prefix "
+        "(TRAJBUS_TOPICS__PREFIX) and print each with its partitions, retained offsets and "
+        "what it is for; catalog topics that are missing are listed too (create them with "
+        "`trajbus topics create`). Offsets include transaction markers, so on transactional "
+        "topics they slightly exceed the record count.")
+    lst.add_argument("--json", action="store_true", help="one JSON object per topic")
     lst.set_defaults(func=_topics_list)
+    delete = tsub.add_parser(
+        "delete", help="delete debug replay topics made by `trajbus replay republish`",
+        description="Delete debug replay topics (<prefix>.replay.debug-TASK). Any other topic "
+        "is refused: catalog, replay and state topics hold the pipeline's data.",
+        epilog="examples:\n  trajbus topics delete debug-web-shop\n"
+        "  trajbus topics delete trajbus.replay.debug-web-shop\n"
+        "  trajbus topics delete --all-debug",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    delete.add_argument("names", nargs="*", metavar="TOPIC",
+                        help="a debug topic's full name, or its task (debug-T, or T)")
+    delete.add_argument("--all-debug", action="store_true",
+                        help="delete every debug replay topic under the prefix")
+    delete.set_defaults(func=_topics_delete)
 
     schemas = sub.add_parser(
         "schemas",
@@ -73,14 +94,62 @@ def _topics_create(args: argparse.Namespace) -> int:
 
 
 def _topics_list(args: argparse.Namespace) -> int:
+    from trajbus.bus.inventory import trajbus_topics
+    from trajbus.bus.kafka import check_broker
+
     settings = get_settings()
-    print(f"{'topic':40} {'parts':>5} {'retention':>10} {'policy':>8}  key / purpose")
-    for s in Topics(settings).specs:
-        days = "forever" if s.retention_ms < 0 else f"{s.retention_ms / 86_400_000:g}d"
-        policy = "compact" if s.compacted else "delete"
-        print(f"{s.name:40} {s.partitions:>5} {days:>10} {policy:>8}  {s.key}: {s.doc}")
-    print(f"{Topics(settings).replay('<task>'):40} {settings.topics.partitions:>5} "
-          f"{'7d':>10} {'delete':>8}  episode: ordered replay segments per task")
+
+    async def run() -> list[Any]:
+        await check_broker(settings.kafka)
+        return await trajbus_topics(settings)
+
+    infos = asyncio.run(run())
+    have = {i.name for i in infos}
+    missing = [s.name for s in Topics(settings).specs if s.name not in have]
+    if args.json:
+        for i in infos:
+            print(json.dumps({"topic": i.name, "partitions": i.partitions, "offsets": i.offsets,
+                              "role": i.role, "task": i.task, "purpose": i.purpose}))
+        for name in missing:
+            print(json.dumps({"topic": name, "role": "catalog", "missing": True}))
+        return 0
+    print(f"topics on {settings.kafka.bootstrap_servers} under prefix "
+          f"{settings.topics.prefix!r}:")
+    width = max([len(n) for n in have | set(missing)] + [20])
+    print(f"{'topic':{width}} {'parts':>5} {'offsets':>9}  {'role':<8} purpose")
+    order = {"catalog": 0, "replay": 1, "debug": 2, "state": 3, "other": 4}
+    for i in sorted(infos, key=lambda i: (order.get(i.role, 9), i.name)):
+        print(f"{i.name:{width}} {i.partitions:>5} {i.offsets:>9}  {i.role:<8} {i.purpose}")
+    for name in missing:
+        print(f"{name:{width}} {'-':>5} {'-':>9}  {'MISSING':<8} create it with `trajbus "
+              "topics create`")
+    tasks = sorted(i.task for i in infos if i.role == "replay" and i.task)
+    print(f"tasks with a replay topic: {', '.join(tasks) if tasks else 'none yet'}")
+    return 0
+
+
+def _topics_delete(args: argparse.Namespace) -> int:
+    from trajbus.bus.errors import UserError
+    from trajbus.bus.inventory import delete_debug_topics, trajbus_topics
+    from trajbus.bus.kafka import check_broker
+
+    settings = get_settings()
+    if not args.names and not args.all_debug:
+        raise UserError("name the debug topics to delete, or pass --all-debug",
+                        hint="`trajbus topics list` shows them (role 'debug')")
+
+    async def run() -> list[str]:
+        await check_broker(settings.kafka)
+        names = list(args.names)
+        if args.all_debug:
+            names += [i.name for i in await trajbus_topics(settings) if i.role == "debug"]
+        return await delete_debug_topics(settings, list(dict.fromkeys(names)))
+
+    deleted = asyncio.run(run())
+    for name in deleted:
+        print(f"deleted  {name}")
+    if not deleted:
+        print("no debug topics to delete")
     return 0
 
 

@@ -49,14 +49,26 @@ def register(sub: argparse._SubParsersAction) -> None:
         "tail",
         help="print replay segments of a task as they arrive",
         description="Subscribe to trajbus.replay.TASK like a trainer would (the ReplayClient: "
-        "ordered, deduplicated, committed after acknowledgement) and print each segment.",
+        "ordered, deduplicated, committed after acknowledgement) and print each segment. A task "
+        "whose replay topic does not exist yet is waited for (said once on stderr), so tail can "
+        "start before the fleet.",
+        epilog="examples:\n  trajbus replay tail --task web-shop\n"
+        "  trajbus replay tail --all-tasks --idle-exit 30\n"
+        "  trajbus replay tail --task web-shop --group trainer-7",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    t.add_argument("--task", required=True, action="append", help="task to follow (repeatable)")
+    which = t.add_mutually_exclusive_group(required=True)
+    which.add_argument("--task", action="append", default=[],
+                       help="task to follow (repeatable)")
+    which.add_argument("--all-tasks", action="store_true",
+                       help="every task's replay topic, including ones created later (not "
+                       "the debug-* republish topics)")
     t.add_argument("--group", default=None,
                    help="consumer group (default: a fresh one, reading from the beginning)")
     t.add_argument("--json", action="store_true", help="one JSON object per segment")
     t.add_argument("--idle-exit", type=float, default=None, metavar="SECONDS",
-                   help="exit after no data for this long")
+                   help="exit after no data for this long (exit 1 if a named task's replay "
+                   "topic never appeared)")
     t.set_defaults(func=_replay_tail)
     register_replay_more(rsub)
 
@@ -120,12 +132,21 @@ def _worker(args: argparse.Namespace) -> int:
 def _replay_tail(args: argparse.Namespace) -> int:
     import uuid
 
-    from trajbus.consumers.replay_client import ReplayClient
+    from trajbus.bus.errors import existing
+    from trajbus.bus.inventory import list_tasks
+    from trajbus.consumers.replay_client import ALL_TASKS, ReplayClient
 
     group = args.group or f"trajbus-tail-{uuid.uuid4().hex[:8]}"
+    tasks = [*args.task, *([ALL_TASKS] if args.all_tasks else [])]
+    settings = get_settings()
 
-    async def run() -> None:
-        async with ReplayClient(args.task, group, get_settings()) as client:
+    async def run() -> list[str]:
+        async with ReplayClient(tasks, group, settings) as client:
+            missing = await client.missing_tasks()
+            if missing:
+                print(f"waiting for the replay topic of task(s) {', '.join(missing)} "
+                      f"({existing('tasks', await list_tasks(settings))})", file=sys.stderr,
+                      flush=True)
             async for seg in client.segments(idle_timeout=args.idle_exit):
                 if args.json:
                     print(json.dumps({
@@ -143,6 +164,13 @@ def _replay_tail(args: argparse.Namespace) -> int:
                           f"seq {seg.first_seq}..{seg.last_seq} ({len(seg.events)} events)"
                           f"{gap} {flags}".rstrip(), flush=True)
                 await client.ack(seg)
+            return await client.missing_tasks()
 
-    asyncio.run(run())
+    still_missing = asyncio.run(run())
+    if still_missing:
+        tasks_now = asyncio.run(list_tasks(settings))
+        print(f"trajbus: error: no replay topic for task(s) {', '.join(still_missing)} "
+              f"appeared within {args.idle_exit:g} s; {existing('tasks', tasks_now)}",
+              file=sys.stderr)
+        return 1
     return 0

@@ -57,6 +57,7 @@ from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from trajbus.bus.errors import NotFoundError, UserError, existing
 from trajbus.bus.kafka import check_broker, connection_options
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics, episode_record_key
@@ -452,13 +453,16 @@ def _parse_time_bound(value: int | str | datetime | None) -> int | None:
 async def read_sandbox_log(
     settings: Settings, sandbox: str, episode: str | None = None,
     from_ms: int | str | datetime | None = None, to_ms: int | str | datetime | None = None,
-    source: Source = "kafka",
+    source: Source = "kafka", *, must_exist: bool = False,
 ) -> list[TimelineEntry]:
     """The timeline of ``sandbox`` (one ``episode`` of it when given), from the raw input
     topics or from the archive. ``from_ms``/``to_ms`` bound the event time (inclusive; epoch
     ms, an ISO-8601 string, or a datetime; naive times are UTC). Ordered and deduplicated as
-    the module docstring says."""
+    the module docstring says. ``must_exist``: raise :class:`NotFoundError` saying which
+    sandboxes (or which episodes of the sandbox) exist when the log has no event of the
+    sandbox (or episode) at all."""
     lo, hi = _parse_time_bound(from_ms), _parse_time_bound(to_ms)
+    sandboxes: set[str] = set()
     if source == "archive":
         entries = _archive_entries(settings, sandbox, episode)
     elif source == "kafka":
@@ -467,14 +471,41 @@ async def read_sandbox_log(
         parts = await read_records(settings, topics.input_topics)
         records = [r for tp in sorted(parts, key=lambda tp: (tp.topic, tp.partition))
                    for r in parts[tp]]
-        entries = [entry_from_decoded(d, rec) for rec, d in _decode_all(records, default_codec())
-                   if d.header.get("sandbox") == sandbox]
+        entries = []
+        for rec, d in _decode_all(records, default_codec()):
+            owner = d.header.get("sandbox")
+            if owner == sandbox:
+                entries.append(entry_from_decoded(d, rec))
+            elif d.kind != "Tick" and isinstance(owner, str):
+                sandboxes.add(owner)
     else:
         raise ValueError(f"unknown source {source!r}: use 'kafka' or 'archive'")
+    if must_exist:
+        _require(sandbox, episode, entries, sandboxes, source)
     entries = [e for e in entries
                if (episode is None or e.episode == episode)
                and (lo is None or e.time_ms >= lo) and (hi is None or e.time_ms <= hi)]
     return order_timeline(entries)
+
+
+def _require(sandbox: str, episode: str | None, entries: Sequence[TimelineEntry],
+             others: set[str], source: Source) -> None:
+    where = "the Kafka topics (within their retention)" if source == "kafka" else "the archive"
+    if not entries:
+        raise NotFoundError(f"no events of sandbox {sandbox!r} in {where}",
+                            hint=existing("sandboxes", others) if source == "kafka" else
+                            "try --source kafka for recent events")
+    if episode is not None and not any(e.episode == episode for e in entries):
+        episodes = {e.episode for e in entries if e.episode is not None}
+        raise NotFoundError(f"sandbox {sandbox!r} has no episode {episode!r} in {where}",
+                            hint=existing(f"episodes of {sandbox}", episodes))
+
+
+async def sandboxes_in_log(settings: Settings) -> set[str]:
+    """Every sandbox with an event on the raw input topics."""
+    parts = await read_records(settings, Topics(settings).input_topics)
+    return {str(d.header.get("sandbox")) for tp in parts
+            for _, d in _decode_all(parts[tp], default_codec()) if d.kind != "Tick"}
 
 
 def _archive_entries(settings: Settings, sandbox: str, episode: str | None
@@ -772,6 +803,11 @@ async def explain(settings: Settings, sandbox: str, *, timeout_s: float = 300.0)
         assert d is not None
         causes, unresolved = _causes(d, index)
         items.append(ExplainedItem(d, status, tuple(causes), tuple(unresolved)))
+    if not items and not any(e.sandbox == sandbox for e in index.values()):
+        raise NotFoundError(f"no events of sandbox {sandbox!r} in the processors' inputs "
+                            "and no decision or alert about it",
+                            hint=existing("sandboxes", {e.sandbox for e in index.values()
+                                                        if e.kind != "Tick"}))
     return Explanation(sandbox, items, divergences, notes, sorted(ran), dict(inputs_read))
 
 
@@ -859,7 +895,13 @@ async def republish(
     topics = Topics(settings)
     topic = to_topic or topics.replay(debug_replay_task(task))
     codec = default_codec()
-    entries = await read_sandbox_log(settings, sandbox, episode=episode, source=source)
+    entries = await read_sandbox_log(settings, sandbox, episode=episode, source=source,
+                                     must_exist=True)
+    tasks = {e.task for e in entries}
+    if task not in tasks:
+        raise UserError(f"episode {episode!r} of sandbox {sandbox!r} belongs to task "
+                        f"{' and '.join(sorted(tasks))}, not {task!r}: nothing published",
+                        hint=f"--task {sorted(tasks)[0]}")
     by_seq: dict[int, TimelineEntry] = {}
     for e in entries:
         by_seq.setdefault(e.seq, e)
@@ -1002,7 +1044,7 @@ async def watchdog_explain(settings: Settings, sandbox: str, episode: str | None
 
     core = WatchdogCore(settings.watchdog, getattr(settings.watchdog, "per_task", None))
     if from_log:
-        for e in await read_sandbox_log(settings, sandbox, episode=episode):
+        for e in await read_sandbox_log(settings, sandbox, episode=episode, must_exist=True):
             if e.kind == "EpisodeEnd" or (e.kind == "SandboxLifecycle"
                                           and e.record.get("state") in ("DRAINING", "RECYCLED")):
                 continue

@@ -161,7 +161,7 @@ def _events(args: argparse.Namespace) -> int:
 
     entries = asyncio.run(read_sandbox_log(get_settings(), args.sandbox, episode=args.episode,
                                            from_ms=args.from_, to_ms=args.to,
-                                           source=args.source))
+                                           source=args.source, must_exist=True))
     for e in entries:
         if args.json:
             print(json.dumps(e.to_dict(expand=args.expand)))
@@ -169,7 +169,8 @@ def _events(args: argparse.Namespace) -> int:
             print(e.line(expand=args.expand))
     if not entries and not args.json:
         print(f"no events of sandbox {args.sandbox}"
-              + (f" episode {args.episode}" if args.episode else ""), file=sys.stderr)
+              + (f" episode {args.episode}" if args.episode else "")
+              + " in that time range", file=sys.stderr)
     return 0
 
 
@@ -205,7 +206,7 @@ def _waterfall(args: argparse.Namespace) -> int:
     )
 
     entries = asyncio.run(read_sandbox_log(get_settings(), args.sandbox, episode=args.episode,
-                                           source=args.source))
+                                           source=args.source, must_exist=True))
     if not entries:
         print(f"no events of sandbox {args.sandbox} episode {args.episode}", file=sys.stderr)
         return 1
@@ -280,8 +281,17 @@ def _scheduler_status(args: argparse.Namespace) -> int:
 def _watchdog_explain(args: argparse.Namespace) -> int:
     from trajbus.consumers.operator import watchdog_explain
 
-    found = asyncio.run(watchdog_explain(get_settings(), args.sandbox, args.episode,
+    settings = get_settings()
+    found = asyncio.run(watchdog_explain(settings, args.sandbox, args.episode,
                                          from_log=args.from_log))
+    if not found and not args.from_log:
+        from trajbus.bus.errors import NotFoundError, existing
+        from trajbus.consumers.operator import sandboxes_in_log
+
+        known = asyncio.run(sandboxes_in_log(settings))
+        if args.sandbox not in known:
+            raise NotFoundError(f"no events of sandbox {args.sandbox!r} in the Kafka topics",
+                                hint=existing("sandboxes", known))
     if not found:
         where = "its events" if args.from_log else "the live watchdog state"
         print(f"no tracked stream of sandbox {args.sandbox} in {where}"

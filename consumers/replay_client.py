@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -31,11 +32,38 @@ from aiokafka.structs import OffsetAndMetadata
 
 from trajbus.bus.kafka import check_broker, connection_options
 from trajbus.bus.settings import Settings, get_settings
-from trajbus.bus.topics import Topics
+from trajbus.bus.topics import Topics, validate_name
 from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
 
 _REMEMBERED = 200_000  # episodes whose delivery state the client keeps (bounded memory)
 _METADATA_LIMIT = 3500  # below Kafka's default offset.metadata.max.bytes (4096)
+ALL_TASKS = "*"
+"""``ReplayClient(ALL_TASKS, ...)``: every task's replay topic, present and future (the
+operators' ``debug-*`` republish topics excepted)."""
+
+
+def replay_topic_pattern(settings: Settings, tasks: Iterable[str] | str,
+                         task_pattern: str | None = None) -> str:
+    """The regex of the replay topics a client reads: the named tasks, every task
+    (:data:`ALL_TASKS`), and/or the tasks whose whole name matches ``task_pattern``."""
+    names = [tasks] if isinstance(tasks, str) else list(tasks)
+    alternatives: list[str] = []
+    for task in names:
+        if task == ALL_TASKS:
+            alternatives.append(r"(?!debug-).+")
+        else:
+            alternatives.append(re.escape(validate_name("task", task)))
+    if task_pattern is not None:
+        try:
+            re.compile(task_pattern)
+        except re.error as exc:
+            raise ValueError(f"task_pattern {task_pattern!r} is not a regular expression: "
+                             f"{exc}") from None
+        alternatives.append(f"(?:{task_pattern})")
+    if not alternatives:
+        raise ValueError("subscribe to at least one task, ALL_TASKS ('*') or a task_pattern")
+    prefix = re.escape(f"{settings.topics.prefix}.replay.")
+    return f"^{prefix}(?:{'|'.join(alternatives)})$"
 
 
 @dataclass(frozen=True)
@@ -118,10 +146,11 @@ class ReplayClient:
 
     def __init__(
         self,
-        tasks: Iterable[str],
+        tasks: Iterable[str] | str,
         group_id: str,
         settings: Settings | None = None,
         *,
+        task_pattern: str | None = None,
         max_in_flight: int = 256,
         drop_truncated: bool = False,
         drop_gappy: bool = False,
@@ -130,13 +159,22 @@ class ReplayClient:
         codec: Codec | None = None,
         commit_every_ms: int = 0,
     ) -> None:
-        """``commit_every_ms=0`` commits at every acknowledgement: after a crash the trainer
+        """``tasks``: task names (one name as a plain string is fine), or :data:`ALL_TASKS`
+        (``"*"``) for every task; ``task_pattern``: also every task whose whole name matches
+        this regex. The subscription is a topic pattern, so replay topics created after the
+        client started are picked up (within ``metadata_max_age_ms``, 5 s) and a task whose
+        topic does not exist yet is simply waited for.
+
+        ``commit_every_ms=0`` commits at every acknowledgement: after a crash the trainer
         resumes exactly after its last acknowledgement. A positive value coalesces commits
         (one broker round trip per interval instead of per segment) at the price of
         re-delivering up to that interval's acknowledged segments after a crash."""
         self.settings = settings or get_settings()
         topics = Topics(self.settings)
-        self.topics = [topics.replay(t) for t in tasks]
+        self.pattern = replay_topic_pattern(self.settings, tasks, task_pattern)
+        named = [tasks] if isinstance(tasks, str) else list(tasks)
+        self.tasks = [t for t in named if t != ALL_TASKS]
+        self.topics = [topics.replay(t) for t in self.tasks]
         self.group_id = group_id
         self.max_in_flight = max_in_flight
         self.drop_truncated = drop_truncated
@@ -161,7 +199,6 @@ class ReplayClient:
         await check_broker(self.settings.kafka)
         await self._load_committed()
         self._consumer = AIOKafkaConsumer(
-            *self.topics,
             **connection_options(self.settings.kafka),
             group_id=self.group_id,
             enable_auto_commit=False,
@@ -170,7 +207,23 @@ class ReplayClient:
             metadata_max_age_ms=5000,  # a task's replay topic may be created after we subscribe
             max_partition_fetch_bytes=self.settings.kafka.max_request_size,
         )
-        await self._consumer.start()
+        try:
+            await self._consumer.start()
+            # A pattern, not a topic list: a topic that does not exist yet is no error
+            # (aiokafka would log it missing every few hundred ms, then fail): it is read
+            # once it is created.
+            self._consumer.subscribe(pattern=self.pattern)
+        except BaseException:
+            await self._consumer.stop()
+            self._consumer = None
+            raise
+
+    async def missing_tasks(self) -> list[str]:
+        """The named tasks that have no replay topic yet (the client waits for them)."""
+        from trajbus.bus.inventory import topic_names
+
+        have = set(await topic_names(self.settings))
+        return [t for t, topic in zip(self.tasks, self.topics, strict=True) if topic not in have]
 
     async def stop(self) -> None:
         if self._consumer is not None:

@@ -25,27 +25,41 @@ def register(subparsers: Any) -> None:
     """Add the producer commands to an ``argparse`` subparsers object."""
     p = subparsers.add_parser("tail-traces", help="publish a sandbox's trace directory to Kafka")
     p.add_argument("dir", help="trace directory, e.g. /dev/shm/<runtime>-trace")
-    p.add_argument("--sandbox", required=True)
-    p.add_argument("--task", required=True)
+    p.add_argument("--sandbox", required=True, help="the sandbox whose traces these are")
+    p.add_argument("--task", required=True, help="the sandbox's task")
     p.add_argument("--once", action="store_true", help="one pass, then drain and exit")
-    p.add_argument("--poll-ms", type=int, default=200)
-    p.add_argument("--chunk-size", type=int, default=None)
+    p.add_argument("--poll-ms", type=int, default=200,
+                   help="how often to look for new trace bytes, in ms (default 200)")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="bytes per TraceChunk event (default: TRAJBUS_PRODUCER__CHUNK_SIZE)")
     p.add_argument("--state-dir", default=None,
                    help="emitter state (journal); default <settings.state_dir>/<sandbox>")
     p.set_defaults(func=_tail_traces)
 
     s = subparsers.add_parser("simulate", help="drive a simulated sandbox fleet (workload)")
-    s.add_argument("--sandboxes", type=int, default=10)
-    s.add_argument("--episodes", type=int, default=3)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--sandboxes", type=int, default=10,
+                   help="simulated sandboxes (default 10)")
+    s.add_argument("--episodes", type=int, default=3, help="episodes per sandbox (default 3)")
+    s.add_argument("--seed", type=int, default=0,
+                   help="random seed: the same seed gives the same fleet (default 0)")
     s.add_argument("--manifest", default=None, help="write the acknowledged-events manifest here")
-    s.add_argument("--state-root", default=None)
+    s.add_argument("--state-root", default=None,
+                   help="directory for the emitters' journals "
+                   "(default: <TRAJBUS_STATE_DIR>/sim-SEED)")
     s.add_argument("--create-topics", action="store_true", help="create missing topics first")
-    for knob, default in (("loop", 0.1), ("cycle", 0.05), ("nonloop", 0.05), ("crash", 0.05),
-                          ("migrate", 0.1), ("duplicate", 0.02), ("blob", 0.02)):
-        s.add_argument(f"--{knob}", type=float, default=default, help=f"fraction (default "
-                       f"{default})")
-    s.add_argument("--shuffle-window", type=int, default=0)
+    for knob, default, what in (
+            ("loop", 0.1, "episodes whose agent repeats one call"),
+            ("cycle", 0.05, "episodes whose agent repeats a cycle of calls"),
+            ("nonloop", 0.05, "look-alike episodes whose results keep changing (no loop)"),
+            ("crash", 0.05, "sandboxes that crash mid-episode"),
+            ("migrate", 0.1, "sandboxes that migrate to another node"),
+            ("duplicate", 0.02, "events sent twice"),
+            ("blob", 0.02, "trace chunks large enough for a claim-check blob")):
+        s.add_argument(f"--{knob}", type=float, default=default,
+                       help=f"fraction of {what} (default {default})")
+    s.add_argument("--shuffle-window", type=int, default=0,
+                   help="deliver events out of order within windows of this many events "
+                   "(default 0: in order)")
     s.add_argument("--no-wait-for-placement", dest="wait_for_placement", action="store_false",
                    help="start every sandbox at once instead of waiting for the scheduler's "
                         "placement (closed loop, the default, needs a running scheduler)")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -41,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--debug", action="store_true", default=bool(os.environ.get(
+        "TRAJBUS_DEBUG")), help="show the Python traceback of an error instead of a one-line "
+        "message, and the Kafka client's log (also TRAJBUS_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
@@ -59,6 +64,14 @@ def _version() -> str:
     return f"trajbus {__version__}"
 
 
+# Commands whose Kafka client log is noise for the person at the terminal: they report what
+# went wrong themselves ("Kafka at ... did not answer", "no replay topic for task ..."). The
+# long-running services (worker, archive run, simulate, tail-traces, demo) keep the client's log.
+QUIET_CLIENT_LOG = frozenset({"topics", "replay", "status", "scheduler", "watchdog", "consume",
+                              "deadletters", "alerts"})
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a tool killed by SIGPIPE (`... | head`)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -68,23 +81,67 @@ def main(argv: Sequence[str] | None = None) -> None:
         target = getattr(args, "help_parser", parser)
         target.print_help()
         sys.exit(2)
+    if args.command in QUIET_CLIENT_LOG and not args.debug:
+        logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     try:
         code = func(args)
+        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:
+        code = _broken_pipe()
     except Exception as exc:  # a clear one-line error instead of a traceback for known failures
-        if getattr(args, "debug", False) or not _is_user_error(exc):
+        message = user_error_message(exc)
+        if args.debug or message is None:
             raise
-        print(f"trajbus: error: {exc}", file=sys.stderr)
-        code = 1
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _broken_pipe()
+        print(f"trajbus: error: {message}", file=sys.stderr)
+        code = getattr(exc, "exit_code", 1)
     sys.exit(code or 0)
 
 
-def _is_user_error(exc: Exception) -> bool:
+def _broken_pipe() -> int:
+    """The reader of our output went away (``trajbus consume ... | head``): stop quietly.
+    Point stdout at /dev/null so the interpreter's final flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return EXIT_BROKEN_PIPE
+
+
+def user_error_message(exc: BaseException) -> str | None:
+    """The message to print for an error the user can act on (a mistake in the request, an
+    unreachable or refusing broker, a missing file), or None for a bug (shown as a
+    traceback)."""
+    from aiokafka.errors import KafkaConnectionError, KafkaError
+
+    from trajbus.bus.errors import UserError
     from trajbus.bus.kafka import BrokerUnavailableError
 
-    user_errors = BrokerUnavailableError | FileNotFoundError | PermissionError | ValueError
-    return isinstance(exc, user_errors)
+    if isinstance(exc, UserError | BrokerUnavailableError):
+        return str(exc)
+    if isinstance(exc, KafkaConnectionError):
+        from trajbus.bus.settings import get_settings
+
+        return (f"cannot reach Kafka at {get_settings().kafka.bootstrap_servers} ({exc}). "
+                "Start the local broker with `trajbus kafka up`, or point "
+                "TRAJBUS_KAFKA__BOOTSTRAP_SERVERS at a running cluster.")
+    if isinstance(exc, KafkaError):
+        return f"Kafka answered with an error: {type(exc).__name__}: {exc}"
+    duckdb = sys.modules.get("duckdb")  # the archive's SQL engine, when a command loaded it
+    if duckdb is not None and isinstance(exc, duckdb.Error):
+        return f"DuckDB: {exc}"
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.strerror or exc}: {exc.filename}"
+    if isinstance(exc, ValueError | FileNotFoundError | PermissionError | NotImplementedError
+                  | TimeoutError):
+        return str(exc) or type(exc).__name__
+    return None
 
 
 if __name__ == "__main__":
