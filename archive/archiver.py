@@ -21,8 +21,10 @@ dead letters, and commits.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import logging
+import os
 import re
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -83,6 +85,9 @@ class ArchiverStats:
     batches: int = 0
     objects: int = 0
     committed: dict[str, int] = field(default_factory=dict)  # "topic:partition" -> offset
+    group_id: str = ""
+    destination: str = ""
+    note: str | None = None  # why the archiver had nothing to do, when it had nothing to do
 
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -205,6 +210,22 @@ class ArchiveShell:
             self.writer.clear_marker(r)
 
 
+def archiver_group(prefix: str, url: str) -> str:
+    """The consumer group of the archiver writing to ``url``: one per destination, so a
+    second destination (a new bucket) archives everything instead of sharing the first one's
+    committed offsets. ``s3://bucket/pre/fix`` -> ``<prefix>.archiver.s3.bucket.pre-fix``; a
+    local directory -> ``<prefix>.archiver.local.<dir name>-<hash of the absolute path>``."""
+    if url.startswith("s3://"):
+        bucket, _, path = url[5:].partition("/")
+        tail = f"s3.{bucket}" + (f".{path.strip('/').replace('/', '-')}" if path.strip("/")
+                                 else "")
+    else:
+        path = os.path.abspath(url)
+        tail = (f"local.{os.path.basename(path.rstrip('/')) or 'root'}-"
+                f"{hashlib.sha1(path.encode()).hexdigest()[:8]}")
+    return f"{prefix}.archiver.{_SAFE.sub('-', tail)[:180]}"
+
+
 def _index_refs(result: BatchResult) -> list[tuple[str, str, str, str | None,
                                                   tuple[str, int, int]]]:
     """(date, task, sandbox, episode, (object key, first rg, last rg)) of a batch's index rows."""
@@ -259,16 +280,18 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
     cfg = settings.archive
     catalog = Topics(settings)
     topics = topics or catalog.input_topics
-    group_id = group_id or f"{catalog.prefix}.archiver"
     if store is None:
         store = await asyncio.to_thread(
             lambda: open_store(cfg.url, cfg.s3_endpoint_url, retry_s=cfg.store_retry_s))
+    dest: ObjectStore = store
+    group_id = group_id or archiver_group(catalog.prefix, dest.url)
     stop_event = stop_event or asyncio.Event()
     dead = dead_letter or kafka_dead_letter(settings)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archiver")
     loop = asyncio.get_running_loop()
     shell = await loop.run_in_executor(executor, lambda: ArchiveShell(store, cfg, codec))
-    stats = ArchiverStats()
+    stats = ArchiverStats(group_id=group_id, destination=dest.url)
+    log.info("archiving %s into %s as consumer group %s", topics, dest.url, group_id)
 
     consumer = AIOKafkaConsumer(
         **connection_options(settings.kafka),
@@ -308,6 +331,7 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
         committed = await consumer.committed(tp)
         if committed is None:
             committed = (await consumer.beginning_offsets([tp]))[tp]
+        start_offsets[tp] = committed
         pending = await call_shell(shell.assigned, tp.topic, tp.partition, committed)
         if tp not in to_set_up:  # revoked while the store was being read
             return
@@ -349,6 +373,27 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
             stats.committed[f"{tp.topic}:{tp.partition}"] = off
         await call_shell(shell.committed, step.batches)
 
+    start_offsets: dict[Any, int] = {}
+    explained = False
+
+    async def explain() -> None:
+        """Once every assigned partition is set up: say how much there is to do, and when
+        there is nothing, why (the group already committed everything into this store)."""
+        ends = await consumer.end_offsets(sorted(ready))
+        lag = sum(max(0, ends[tp] - start_offsets.get(tp, 0)) for tp in ready)
+        if lag:
+            log.info("%d records to archive from %d partitions into %s (group %s)", lag,
+                     len(ready), dest.url, group_id)
+            return
+        done = sum(start_offsets.get(tp, 0) for tp in ready)
+        stats.note = (
+            f"nothing to archive into {dest.url}: consumer group {group_id} has already "
+            f"committed all {len(ready)} partitions of {', '.join(topics)} up to their end "
+            f"({done} records consumed earlier by this group). Each destination has its own "
+            "group, derived from its URL; `trajbus archive run --group NAME` picks another "
+            "(a new group archives the topics' retained records from the beginning)")
+        log.info("%s", stats.note)
+
     await consumer.start()
     try:
         consumer.subscribe(topics, listener=Listener())
@@ -357,6 +402,9 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
         while not stop_event.is_set():
             for tp in sorted(to_set_up & consumer.assignment()):
                 await set_up(tp)
+            if not explained and ready and not to_set_up:
+                explained = True
+                await explain()
             polled = await consumer.getmany(timeout_ms=poll_timeout_ms)
             for tp, batch in list(polled.items()):
                 if tp not in ready and batch:
@@ -388,6 +436,8 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
                                            f"group {group_id} within "
                                            f"{assignment_timeout_s:.0f}s")
                     continue
+                if to_set_up & set(assignment) or not explained:
+                    continue  # set up (and explained) first: then decide whether we are done
                 missing = [tp for tp in assignment if tp not in ends]
                 if missing:
                     ends.update(await consumer.end_offsets(missing))

@@ -50,12 +50,16 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="archive_cmd", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="consume the raw event topics into the archive",
-                       description="Consume sandbox events and trace chunks (consumer group "
-                       "'<prefix>.archiver'), write Parquet objects + index, and commit offsets "
-                       "only after the objects are durable. Stops on SIGINT/SIGTERM after "
+                       description="Consume sandbox events and trace chunks (one consumer "
+                       "group per destination, see --group), write Parquet objects + index, and "
+                       "commit offsets only after the objects are durable. Stops on "
+                       "SIGINT/SIGTERM after "
                        "flushing open batches.")
     r.add_argument("--until-idle", "--once", action="store_true", dest="until_idle",
                    help="stop once caught up with the end offsets seen at start (demo, tests)")
+    r.add_argument("--group", help="consumer group (default: one per destination, derived from "
+                   "the archive URL: '<prefix>.archiver.s3.<bucket>.<path>' or "
+                   "'<prefix>.archiver.local.<dir>-<hash>')")
     r.set_defaults(archive_func=_cmd_run)
 
     e = sub.add_parser("episode", help="print one episode's events in sequence order",
@@ -161,8 +165,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        stats = await run_archiver(settings, stop, store=store, until_idle=args.until_idle)
-        print(json.dumps({"records": stats.records, "rows": stats.rows,
+        stats = await run_archiver(settings, stop, store=store, until_idle=args.until_idle,
+                                   group_id=args.group)
+        if stats.note:
+            print(stats.note, file=sys.stderr)
+        print(json.dumps({"group": stats.group_id, "records": stats.records, "rows": stats.rows,
                           "duplicates": stats.duplicates, "conflicts": stats.conflicts,
                           "dead_letters": stats.dead_letters, "batches": stats.batches,
                           "objects": stats.objects, "committed": stats.committed}))
