@@ -111,8 +111,7 @@ def build_index(table: pa.Table, object_key: str, date: str, hour: str,
 def _seq_runs(work: pa.Table, agg: pa.Table) -> pa.Array:
     """Per aggregate row (same order as ``agg``): the episode's seqs in this object as
     maximal runs of consecutive seqs, ``[{first, last}, ...]``. ``work`` is in file order,
-    sorted by (sandbox, episode, seq); group_by without threads keeps first-appearance order,
-    so the runs' groups come out in the order of ``agg``'s."""
+    sorted by (sandbox, episode, seq); the runs are joined back onto ``agg``'s keys."""
     from trajbus.archive.writer import _dense_rank  # here: writer imports this module
 
     n = work.num_rows
@@ -126,15 +125,20 @@ def _seq_runs(work: pa.Table, agg: pa.Table) -> pa.Array:
     else:
         start = pa.array([True] * n)
     end = pa.concat_arrays([start.slice(1), pa.array([True])]) if n else start
+    null_ep = "\x00"  # episode ids never contain NUL: stands for null (joins skip nulls)
     runs = pa.table({
         "task": work.column("task").filter(start), "sandbox": work.column("sandbox").filter(start),
-        "episode": work.column("episode").filter(start),
+        "episode": pc.fill_null(work.column("episode").filter(start), null_ep),
         "first": seq.filter(start), "last": seq.filter(end),
     }).group_by(["task", "sandbox", "episode"], use_threads=False).aggregate(
         [("first", "list"), ("last", "list")])
-    if runs.column("sandbox").to_pylist() != agg.column("sandbox").to_pylist() or \
-            runs.column("episode").to_pylist() != agg.column("episode").to_pylist():
-        raise AssertionError("index: run groups out of order")  # pragma: no cover
+    # the aggregate's row order: look the runs' groups up by key (one entry per episode)
+    keys = ("task", "sandbox", "episode")
+    where = {k: i for i, k in enumerate(zip(*(runs.column(c).to_pylist() for c in keys),
+                                            strict=True))}
+    agg_keys = zip(agg.column("task").to_pylist(), agg.column("sandbox").to_pylist(),
+                   pc.fill_null(agg.column("episode"), null_ep).to_pylist(), strict=True)
+    runs = runs.take(pa.array([where[k] for k in agg_keys], pa.int64()))
     firsts = runs.column("first_list").combine_chunks()
     lasts = runs.column("last_list").combine_chunks()
     return pa.ListArray.from_arrays(firsts.offsets, pa.StructArray.from_arrays(
