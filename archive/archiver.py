@@ -10,7 +10,9 @@ marker are written. Exactly-once into the store then comes from the object keys:
 derived from (topic, partition, first offset, last offset), and a crash between upload and
 commit replays the same batch boundary (the batch marker + ``ArchiveBatcher.expect``), so the
 same keys are overwritten with the same rows. Readers never see partial objects (complete
-object PUTs / atomic renames).
+object PUTs / atomic renames). Exactly one row per *event* (not per record) comes from the
+write-time dedupe (``dedupe.py``): re-sent copies of an archived event are never written,
+conflicting copies go to ``conflicts/``.
 
 Structure: :class:`ArchiveShell` is the synchronous part (decode, spool, batcher decisions,
 Parquet writes, uploads); :func:`run_archiver` is the asyncio loop that polls Kafka, runs the
@@ -159,10 +161,10 @@ class ArchiveShell:
                 self._spool(rec.topic, rec.partition, conflicts=True).append(row)
                 self._run(self.batcher.skip(rec.topic, rec.partition, rec.offset), out)
                 continue
-            self._spool(rec.topic, rec.partition).append(row)
+            nbytes = row_nbytes(row)
+            self._spool(rec.topic, rec.partition).append(row, nbytes)
             self.rows += 1
-            self._run(self.batcher.add(rec.topic, rec.partition, rec.offset, t,
-                                       row_nbytes(row)), out)
+            self._run(self.batcher.add(rec.topic, rec.partition, rec.offset, t, nbytes), out)
             if self.watermark_ms is None or t > self.watermark_ms:
                 self.watermark_ms = t
         if self.watermark_ms is not None:
@@ -271,7 +273,12 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
                        assignment_timeout_s: float = 60.0) -> ArchiverStats:
     """Archive the raw event topics until ``stop_event`` is set (or, with ``until_idle``,
     until every assigned partition is caught up with its end offset at start). On exit the
-    open batches are flushed and committed."""
+    open batches are flushed and committed.
+
+    An offset is committed only after every row before it is in the store (objects, index,
+    batch marker): a crash loses nothing and, with the dedupe, writes nothing twice. The
+    consumer group defaults to one per destination (:func:`archiver_group` of the store's
+    URL); when the group has nothing left to read, ``ArchiverStats.note`` says so and why."""
     from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
     from aiokafka.errors import CommitFailedError
 

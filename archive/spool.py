@@ -44,9 +44,10 @@ class Spool:
         self._writer: pa.ipc.RecordBatchStreamWriter | None = None
         self.rows = 0
 
-    def append(self, row: Row) -> None:
+    def append(self, row: Row, nbytes: int | None = None) -> None:
+        """Add a row (``nbytes``: its :func:`row_nbytes`, when the caller has it already)."""
         self._pending.append(row)
-        self._pending_bytes += row_nbytes(row)
+        self._pending_bytes += row_nbytes(row) if nbytes is None else nbytes
         self.rows += 1
         if len(self._pending) >= self.chunk_rows or self._pending_bytes >= self.chunk_bytes:
             self._spill()

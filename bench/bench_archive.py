@@ -11,7 +11,14 @@ Measures, on the local-directory store (the embedded default):
    10 tasks) through the real batcher and writer: object count and median object size, before
    and after compaction;
 3. one-episode lookup through the index versus a full scan of the task, and versus DuckDB SQL
-   over the ``events`` view, on an archive of ``--events`` events (default 10 million).
+   over the ``events`` view, on an archive of ``--events`` events (default 10 million);
+4. the whole archiver from Kafka (``run_archiver --until-idle``: consume, decode, dedupe,
+   spool, sort, write, index, commit) versus a minimal peer reading the same records of the
+   same topic on the same broker in the same run: aiokafka consume + fastavro decode (writer
+   schema) + ``pq.write_table`` per partition. ``archiver_vs_peer_ratio`` (wall) is the
+   target figure (>= 0.5); the sides run as interleaved (archiver, peer) pairs. With
+   ``--bootstrap`` it uses that broker, otherwise it starts its own (``LocalBroker``, free
+   port); ``--kafka-events 0`` skips it.
 
 The throughput comparison (``writer_vs_raw_ratio``, the target figure). Both sides start from
 the same Arrow table (Avro decoding is not in either side; the whole shell path from Avro bytes
@@ -38,6 +45,7 @@ Prints one summary line and writes all figures as JSON.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import shutil
@@ -215,7 +223,10 @@ def bench_hour(root: Path, n: int, target_bytes: int) -> dict[str, Any]:
         pt = by_part[f.partition]
         mask = pa.compute.and_(pa.compute.greater_equal(pt["kafka_offset"], f.first_offset),
                                pa.compute.less_equal(pt["kafka_offset"], f.last_offset))
-        writer.write_batch(pt.filter(mask), TOPIC, f.partition, f.first_offset, f.last_offset)
+        # committed at once (as the archiver does after its Kafka commit): compaction leaves
+        # objects of uncommitted batches alone
+        writer.clear_marker(writer.write_batch(pt.filter(mask), TOPIC, f.partition,
+                                               f.first_offset, f.last_offset))
     t_write = time.perf_counter() - t
     before = [o.size for o in store.list("events/")]
     t = time.perf_counter()
@@ -265,6 +276,159 @@ def bench_lookup(root: Path, n: int) -> dict[str, Any]:
     }
 
 
+def _kafka_values(n: int) -> list[tuple[bytes, bytes]]:
+    """``n`` encoded events (key, value) of a simulated fleet: 200 sandboxes, 10 tasks,
+    episodes of 40 tool calls and a 4 KiB trace in 256-byte chunks."""
+    out: list[tuple[bytes, bytes]] = []
+    ep = 0
+    while len(out) < n:
+        for s in range(200):
+            for e in episode_events(f"task-{s % 10}", f"sb-{s}", f"ep-{ep}", tool_calls=40,
+                                    t0_ms=T0 + ep * 60_000, trace=b"x" * 4096, chunk=256):
+                out.append((f"sb-{s}".encode(), e.encode()))
+        ep += 1
+    return out[:n]
+
+
+async def _produce_topic(bootstrap: str, topic: str, values: list[tuple[bytes, bytes]]) -> None:
+    from aiokafka import AIOKafkaProducer
+
+    from trajbus.bus.admin import ensure_topics
+    from trajbus.bus.settings import KafkaSettings, Settings
+    from trajbus.bus.topics import TopicSpec
+
+    settings = Settings(kafka=KafkaSettings(bootstrap_servers=bootstrap))
+    await ensure_topics(settings, [TopicSpec(topic, 6, "archive bench", "sandbox")])
+    p = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, max_batch_size=1 << 20,
+                         compression_type="lz4")
+    await p.start()
+    try:
+        futs = [await p.send(topic, v, key=k) for k, v in values]
+        await asyncio.gather(*futs)
+    finally:
+        await p.stop()
+
+
+async def _peer(bootstrap: str, topic: str, out_dir: Path) -> int:
+    """The minimal peer: consume every record, fastavro-decode it with its writer schema,
+    write one Parquet file per partition with pyarrow (no dedupe, sort, index or commit)."""
+    import io as _io
+
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from fastavro import parse_schema, schemaless_reader
+
+    from trajbus.schemas.codec import HEADER_LEN, default_codec
+
+    codec = default_codec()
+    parsed: dict[bytes, Any] = {}
+    c = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                         isolation_level="read_committed", max_partition_fetch_bytes=1 << 20,
+                         fetch_max_bytes=52_428_800)
+    await c.start()
+    rows: dict[int, list[dict[str, Any]]] = {}
+    n = 0
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or ())]
+        if not tps:
+            await c._client.force_metadata_update()  # metadata of a just-created topic
+            tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or ())]
+        c.assign(tps)
+        await c.seek_to_beginning(*tps)
+        ends = await c.end_offsets(tps)
+        while True:
+            batch = await c.getmany(timeout_ms=500)
+            for tp, recs in batch.items():
+                out = rows.setdefault(tp.partition, [])
+                for r in recs:
+                    w = codec.writer_of(r.value)
+                    sch = parsed.get(w.fingerprint)
+                    if sch is None:
+                        sch = parsed[w.fingerprint] = parse_schema(w.parsed)
+                    buf = _io.BytesIO(r.value)
+                    buf.seek(HEADER_LEN)
+                    rec = schemaless_reader(buf, sch, None)
+                    h = rec.pop("header")
+                    out.append({**h, "kind": w.short_name, "data": rec.pop("data", None),
+                                "fields": json.dumps(rec, default=str),
+                                "kafka_offset": r.offset})
+                    n += 1
+            positions = [await c.position(tp) for tp in tps]
+            if all(pos >= ends[tp] for pos, tp in zip(positions, tps, strict=True)):
+                break
+    finally:
+        await c.stop()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for part, rs in rows.items():
+        pq.write_table(pa.Table.from_pylist(rs), out_dir / f"{part}.parquet",
+                       compression="zstd")
+    return n
+
+
+def bench_from_kafka(root: Path, bootstrap: str | None, n: int,
+                     repeat: int = 2) -> dict[str, Any]:
+    """The whole archiver from Kafka versus the minimal peer, same topic, same broker."""
+    import uuid
+
+    from trajbus.archive.archiver import run_archiver
+    from trajbus.bus.settings import KafkaSettings, Settings
+
+    broker = None
+    if bootstrap is None:
+        from trajbus.infra.broker import LocalBroker, free_port
+
+        broker = LocalBroker(data_dir=root / "kafka", port=free_port(),
+                             controller_port=free_port())
+        broker.start(timeout=120)
+        bootstrap = broker.bootstrap
+    try:
+        topic = f"bench-archive-{uuid.uuid4().hex[:8]}"
+        values = _kafka_values(n)
+        t = time.perf_counter()
+        asyncio.run(_produce_topic(bootstrap, topic, values))
+        t_produce = time.perf_counter() - t
+        settings = Settings(kafka=KafkaSettings(bootstrap_servers=bootstrap),
+                            archive=ArchiveSettings(url=str(root / "unused"),
+                                                    spool_dir=str(root / "kspool")))
+        pairs = []
+        rows = 0
+        for k in range(repeat):
+            store = LocalStore(root / f"karch-{k}")
+
+            def archiver(store: LocalStore = store, k: int = k) -> Any:
+                return asyncio.run(run_archiver(
+                    settings, store=store, until_idle=True, topics=[topic],
+                    group_id=f"{topic}-a{k}", dead_letter=lambda *a: None))
+
+            def peer(k: int = k) -> int:
+                return asyncio.run(_peer(bootstrap, topic, root / f"kpeer-{k}"))
+
+            t, c = time.perf_counter(), time.process_time()
+            stats = archiver()
+            a = (time.perf_counter() - t, time.process_time() - c)
+            t, c = time.perf_counter(), time.process_time()
+            got = peer()
+            b = (time.perf_counter() - t, time.process_time() - c)
+            assert stats.rows == got == n, (stats.rows, got, n)
+            rows = stats.rows
+            pairs.append((a, b))
+    finally:
+        if broker is not None:
+            broker.stop(timeout=30)
+    t_a = min(a[0] for a, _ in pairs)
+    t_b = min(b[0] for _, b in pairs)
+    return {
+        "events": n, "rows": rows, "partitions": 6, "repeat": repeat,
+        "produce_s": round(t_produce, 1),
+        "archiver_events_per_s": round(n / t_a),
+        "archiver_cpu_events_per_s": round(n / min(a[1] for a, _ in pairs)),
+        "peer_events_per_s": round(n / t_b),
+        "peer_cpu_events_per_s": round(n / min(b[1] for _, b in pairs)),
+        "archiver_vs_peer_ratio": round(statistics.median(b[0] / a[0] for a, b in pairs), 3),
+        "archiver_vs_peer_cpu_ratio": round(
+            statistics.median(b[1] / a[1] for a, b in pairs), 3),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -278,16 +442,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5,
                     help="throughput: N interleaved (writer, raw) pairs (default 5)")
     ap.add_argument("--dir", help="work directory (default: a temp dir, removed afterwards)")
+    ap.add_argument("--kafka-events", type=int, default=200_000,
+                    help="events for the archiver-from-Kafka vs minimal peer comparison "
+                    "(0 skips it)")
+    ap.add_argument("--kafka-repeat", type=int, default=2,
+                    help="interleaved (archiver, peer) pairs (default 2)")
+    ap.add_argument("--bootstrap", help="use this broker (default: start a local one)")
     args = ap.parse_args(argv)
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-archive-"))
     try:
         tp = bench_throughput(root, args.throughput_events, max(1, args.repeat))
         hour = bench_hour(root, args.hour_events, int(args.target_mb * 1024 * 1024))
         look = bench_lookup(root, args.events)
+        kafka = (bench_from_kafka(root, args.bootstrap, args.kafka_events,
+                                  max(1, args.kafka_repeat)) if args.kafka_events else None)
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
-    out: dict[str, Any] = {"throughput": tp, "hour": hour, "lookup": look,
+    out: dict[str, Any] = {"throughput": tp, "hour": hour, "lookup": look, "from_kafka": kafka,
                            "python": sys.version.split()[0], "pyarrow": pa.__version__}
     out["targets"] = [
         {"measure": "archive writer / raw pyarrow events/s (same objects)",
@@ -297,6 +469,12 @@ def main(argv: list[str] | None = None) -> int:
          "result": look["index_lookup_ms"], "target": "<= 200",
          "met": look["index_lookup_ms"] <= 200},
     ]
+    if kafka is not None:
+        out["targets"].append(
+            {"measure": "archiver from Kafka / minimal peer (consume + fastavro + pyarrow) "
+                        "events/s, same records",
+             "result": kafka["archiver_vs_peer_ratio"], "target": ">= 0.5",
+             "met": kafka["archiver_vs_peer_ratio"] >= 0.5})
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(f"archive: writer {tp['writer_events_per_s']:,} ev/s {tp['writer_mb_per_s']} MB/s "
           f"(x{tp['writer_vs_raw_ratio']} of raw pyarrow writing the same objects, "
@@ -306,7 +484,10 @@ def main(argv: list[str] | None = None) -> int:
           f"median {hour['median_object_bytes'] / 1e6:.2f} MB -> "
           f"{hour['objects_after_compaction']} after compaction; lookup on "
           f"{look['events']:,} events: index {look['index_lookup_ms']} ms vs scan "
-          f"{look['full_scan_ms']} ms (x{look['speedup']}), duckdb {look['duckdb_sql_ms']} ms")
+          f"{look['full_scan_ms']} ms (x{look['speedup']}), duckdb {look['duckdb_sql_ms']} ms"
+          + (f"; from Kafka: archiver {kafka['archiver_events_per_s']:,} ev/s vs peer "
+             f"{kafka['peer_events_per_s']:,} ev/s (x{kafka['archiver_vs_peer_ratio']})"
+             if kafka else ""))
     return 0
 
 
