@@ -37,3 +37,7 @@ def existing(what: str, names: Iterable[str], limit: int = 12) -> str:
     shown = ", ".join(items[:limit])
     more = f" (and {len(items) - limit} more)" if len(items) > limit else ""
     return f"existing {what}: {shown}{more}"
+
+
+class InvalidValueError(UserError, ValueError):
+    """A value that cannot be read as what it should be (a time, a start position)."""

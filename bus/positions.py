@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from trajbus.bus.errors import UserError
+from trajbus.bus.errors import InvalidValueError, UserError
 
 StartPosition = Literal["earliest", "latest", "resume"] | datetime | int | str
 
@@ -41,7 +41,8 @@ def now_ms() -> int:
 
 def parse_time(value: str | int | datetime, now: int | None = None) -> int:
     """Epoch milliseconds of a time written as :data:`TIME_HELP` says. ``1h`` and ``-1h`` both
-    mean one hour ago (``--since 1h``). Raises :class:`UserError` for anything else."""
+    mean one hour ago (``--since 1h``). Raises :class:`InvalidValueError` (a ValueError) for
+    anything else."""
     if isinstance(value, datetime):
         dt = value if value.tzinfo else value.replace(tzinfo=UTC)
         return int(dt.timestamp() * 1000)
@@ -56,7 +57,7 @@ def parse_time(value: str | int | datetime, now: int | None = None) -> int:
     try:
         dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
-        raise UserError(f"cannot read {value!r} as a time", hint=TIME_HELP) from None
+        raise InvalidValueError(f"cannot read {value!r} as a time", hint=TIME_HELP) from None
     return parse_time(dt)
 
 
@@ -67,8 +68,9 @@ def parse_start(value: StartPosition) -> Literal["earliest", "latest", "resume"]
     try:
         return parse_time(value)
     except UserError:
-        raise UserError(f"unknown start position {value!r}", hint="earliest (or beginning), "
-                        f"latest (or end), resume, or a time: {TIME_HELP}") from None
+        raise InvalidValueError(f"unknown start position {value!r}",
+                                hint="earliest (or beginning), latest (or end), resume, or a "
+                                f"time: {TIME_HELP}") from None
 
 
 async def resolve_offsets(consumer: Any, tps: Iterable[Any],

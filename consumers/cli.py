@@ -53,8 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "whose replay topic does not exist yet is waited for (said once on stderr), so tail can "
         "start before the fleet.",
         epilog="examples:\n  trajbus replay tail --task web-shop\n"
-        "  trajbus replay tail --all-tasks --idle-exit 30\n"
-        "  trajbus replay tail --task web-shop --group trainer-7",
+        "  trajbus replay tail --all-tasks --from -10m --idle-exit 30\n"
+        "  trajbus replay tail --task web-shop --group trainer-7 --from end",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     which = t.add_mutually_exclusive_group(required=True)
@@ -65,6 +65,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "the debug-* republish topics)")
     t.add_argument("--group", default=None,
                    help="consumer group (default: a fresh one, reading from the beginning)")
+    t.add_argument("--from", dest="start", default=None, metavar="POSITION",
+                   help="where to start: beginning, end, resume (the group's committed "
+                   "offsets), or a time (ISO-8601, epoch ms, -1h); default: resume with "
+                   "--group, else beginning")
     t.add_argument("--json", action="store_true", help="one JSON object per segment")
     t.add_argument("--idle-exit", type=float, default=None, metavar="SECONDS",
                    help="exit after no data for this long (exit 1 if a named task's replay "
@@ -107,7 +111,15 @@ async def run_workers(settings: Settings, names: list[str], worker_id: str,
             loop.add_signal_handler(sig, lambda: [r.stopping.set() for r in runners])
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
-    await asyncio.gather(*(r.run(until_idle=until_idle) for r in runners))
+    async def guarded(runner: Runner) -> None:
+        try:
+            await runner.run(until_idle=until_idle)
+        except BaseException:  # one processor failing stops the others (their threads)
+            for r in runners:
+                r.stopping.set()
+            raise
+
+    await asyncio.gather(*(guarded(r) for r in runners))
     return {r.spec.name: r.processed for r in runners}
 
 
@@ -138,10 +150,11 @@ def _replay_tail(args: argparse.Namespace) -> int:
 
     group = args.group or f"trajbus-tail-{uuid.uuid4().hex[:8]}"
     tasks = [*args.task, *([ALL_TASKS] if args.all_tasks else [])]
+    start = args.start or ("resume" if args.group else "earliest")
     settings = get_settings()
 
     async def run() -> list[str]:
-        async with ReplayClient(tasks, group, settings) as client:
+        async with ReplayClient(tasks, group, settings, start=start) as client:
             missing = await client.missing_tasks()
             if missing:
                 print(f"waiting for the replay topic of task(s) {', '.join(missing)} "

@@ -13,6 +13,23 @@ Guarantees
 * **Backpressure**: at most ``max_in_flight`` delivered-but-unacknowledged segments; the
   iterator waits for acknowledgements instead of buffering without limit.
 
+Subscription and start position
+-------------------------------
+* **Which tasks**: names, :data:`ALL_TASKS` (every task, present and future, except the
+  operators' ``debug-*`` republish topics) and/or ``task_pattern`` (a regex over task names).
+  The client subscribes by topic pattern: a task whose replay topic does not exist yet is
+  waited for (a trainer is often started before the fleet) and picked up within 5 s of its
+  creation. :func:`list_tasks` says which tasks exist.
+* **Where to start** (``start=``): ``"resume"`` (the default) continues from the group's
+  committed offsets, from the beginning for partitions it never committed; ``"earliest"``
+  re-reads everything retained; ``"latest"`` only what is written after :meth:`start`; a
+  time (aware datetime, epoch ms, ISO-8601 or ``"-1h"``) starts each partition at its first
+  record written at or after it (Kafka's offsets-for-times). A position other than resume is
+  applied the first time this client is assigned each partition, and the next commit makes
+  it the group's position: it *resets the group*. Give it to one member (or use a fresh
+  group): a second member started with ``"earliest"`` would re-read the partitions it takes
+  over. Restart a crashed trainer with ``"resume"``.
+
 Use :class:`ReplayClient` from asyncio, :class:`SyncReplayClient` from plain Python.
 """
 
@@ -27,10 +44,12 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
+from trajbus.bus import inventory
 from trajbus.bus.kafka import check_broker, connection_options
+from trajbus.bus.positions import StartPosition, parse_start, resolve_offsets
 from trajbus.bus.settings import Settings, get_settings
 from trajbus.bus.topics import Topics, validate_name
 from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
@@ -40,6 +59,15 @@ _METADATA_LIMIT = 3500  # below Kafka's default offset.metadata.max.bytes (4096)
 ALL_TASKS = "*"
 """``ReplayClient(ALL_TASKS, ...)``: every task's replay topic, present and future (the
 operators' ``debug-*`` republish topics excepted)."""
+
+
+async def list_tasks(settings: Settings | None = None, *, include_debug: bool = False
+                     ) -> list[str]:
+    """The tasks that have a replay topic on the broker, sorted (``debug-*`` republish tasks
+    only with ``include_debug``)."""
+    settings = settings or get_settings()
+    await check_broker(settings.kafka)
+    return await inventory.list_tasks(settings, include_debug)
 
 
 def replay_topic_pattern(settings: Settings, tasks: Iterable[str] | str,
@@ -151,6 +179,7 @@ class ReplayClient:
         settings: Settings | None = None,
         *,
         task_pattern: str | None = None,
+        start: StartPosition = "resume",
         max_in_flight: int = 256,
         drop_truncated: bool = False,
         drop_gappy: bool = False,
@@ -165,6 +194,9 @@ class ReplayClient:
         client started are picked up (within ``metadata_max_age_ms``, 5 s) and a task whose
         topic does not exist yet is simply waited for.
 
+        ``start``: ``"resume"`` (default), ``"earliest"``, ``"latest"`` or a time; see
+        "Subscription and start position" in the module docstring.
+
         ``commit_every_ms=0`` commits at every acknowledgement: after a crash the trainer
         resumes exactly after its last acknowledgement. A positive value coalesces commits
         (one broker round trip per interval instead of per segment) at the price of
@@ -176,6 +208,7 @@ class ReplayClient:
         self.tasks = [t for t in named if t != ALL_TASKS]
         self.topics = [topics.replay(t) for t in self.tasks]
         self.group_id = group_id
+        self.start_position = parse_start(start)
         self.max_in_flight = max_in_flight
         self.drop_truncated = drop_truncated
         self.drop_gappy = drop_gappy
@@ -194,10 +227,14 @@ class ReplayClient:
         self._dirty = False
         self._last_commit = 0.0
         self._acked_event = asyncio.Event()
+        self._positioned: set[TopicPartition] = set()
+        self._latest_at_start: dict[TopicPartition, int] = {}
 
     async def start(self) -> None:
         await check_broker(self.settings.kafka)
         await self._load_committed()
+        if self.start_position == "latest":
+            self._latest_at_start = await self._end_offsets_now()
         self._consumer = AIOKafkaConsumer(
             **connection_options(self.settings.kafka),
             group_id=self.group_id,
@@ -212,7 +249,7 @@ class ReplayClient:
             # A pattern, not a topic list: a topic that does not exist yet is no error
             # (aiokafka would log it missing every few hundred ms, then fail): it is read
             # once it is created.
-            self._consumer.subscribe(pattern=self.pattern)
+            self._consumer.subscribe(pattern=self.pattern, listener=_StartAt(self))
         except BaseException:
             await self._consumer.stop()
             self._consumer = None
@@ -220,10 +257,12 @@ class ReplayClient:
 
     async def missing_tasks(self) -> list[str]:
         """The named tasks that have no replay topic yet (the client waits for them)."""
-        from trajbus.bus.inventory import topic_names
-
-        have = set(await topic_names(self.settings))
+        have = set(await inventory.topic_names(self.settings))
         return [t for t, topic in zip(self.tasks, self.topics, strict=True) if topic not in have]
+
+    async def list_tasks(self, include_debug: bool = False) -> list[str]:
+        """The tasks that have a replay topic on the broker (see :func:`list_tasks`)."""
+        return await inventory.list_tasks(self.settings, include_debug)
 
     async def stop(self) -> None:
         if self._consumer is not None:
@@ -300,6 +339,39 @@ class ReplayClient:
         await self._maybe_commit()
 
     # -- internals ----------------------------------------------------------------------
+    async def _end_offsets_now(self) -> dict[TopicPartition, int]:
+        """End offsets of the subscribed partitions that exist now (for ``start="latest"``)."""
+        parts = await inventory.partitions_of(self.settings, [], pattern=self.pattern)
+        tps = [TopicPartition(t, p) for t, ps in parts.items() for p in ps]
+        if not tps:
+            return {}
+        consumer = AIOKafkaConsumer(**connection_options(self.settings.kafka),
+                                    enable_auto_commit=False, isolation_level="read_committed")
+        await consumer.start()
+        try:
+            return dict(await consumer.end_offsets(tps))
+        finally:
+            await consumer.stop()
+
+    async def _apply_start(self, assigned: Iterable[TopicPartition]) -> None:
+        """Seek partitions assigned to this client for the first time to the start position
+        (nothing to do for ``resume``: the group's committed offsets apply)."""
+        new = [tp for tp in assigned if tp not in self._positioned]
+        self._positioned.update(new)
+        if self.start_position == "resume" or not new:
+            return
+        assert self._consumer is not None
+        if self.start_position == "latest":
+            # the end as of start(); a topic created since then is read from its beginning
+            later = [tp for tp in new if tp not in self._latest_at_start]
+            targets = {tp: self._latest_at_start[tp] for tp in new if tp not in later}
+            targets.update(await resolve_offsets(self._consumer, later, "earliest"))
+        else:
+            targets = await resolve_offsets(self._consumer, new, self.start_position)
+        for tp, offset in targets.items():
+            self._consumer.seek(tp, offset)
+            self._progress[tp] = _PartitionProgress(offset)
+
     async def _progress_for(self, tp: TopicPartition) -> _PartitionProgress:
         progress = self._progress.get(tp)
         if progress is None:
@@ -413,6 +485,17 @@ class ReplayClient:
         await self._consumer.commit(offsets)
 
 
+class _StartAt(ConsumerRebalanceListener):
+    def __init__(self, client: ReplayClient) -> None:
+        self.client = client
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        return None
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        await self.client._apply_start(assigned)
+
+
 class SyncReplayClient:
     """Blocking wrapper for trainers that are not asyncio programs."""
 
@@ -444,6 +527,14 @@ class SyncReplayClient:
 
     def ack(self, item: Segment | Episode) -> None:
         self._run(self._client.ack(item))
+
+    def list_tasks(self, include_debug: bool = False) -> list[str]:
+        result: list[str] = self._run(self._client.list_tasks(include_debug))
+        return result
+
+    def missing_tasks(self) -> list[str]:
+        result: list[str] = self._run(self._client.missing_tasks())
+        return result
 
     @property
     def stats(self) -> dict[str, int]:
