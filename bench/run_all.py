@@ -35,6 +35,7 @@ BENCHES: dict[str, tuple[str, list[str], list[str], bool]] = {
                                          "200000", "--hour-events", "200000"], False),
     "e2e": ("bench_e2e.py", [], ["--events", "15000", "--seconds", "8",
                                  "--overlap-episodes", "4"], True),
+    "worker": ("bench_worker.py", [], ["--events", "15000", "--repeat", "1"], True),
 }
 
 
