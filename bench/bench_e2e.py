@@ -25,6 +25,14 @@ prefix, and measures:
    remains when the episode ends. Measured: time until the trainer holds its first usable
    segment vs the whole episode, and the loop's episodes/s in both modes (the gain).
 
+3. **The minimal peer pipeline beside it** (``--no-peer`` skips it), after the worker stopped,
+   at the same offered rates, event shapes and sandboxes: a confluent-kafka idempotent
+   producer (no journal, no redaction) -> broker -> the minimal consume/reorder/produce loop
+   of ``bench_worker.py`` (``confluent-txn``: transactions every ``--peer-txn-interval-ms``
+   with a changelog) -> a read_committed confluent-kafka consumer. Same measures (latency,
+   its split at the loop's output record, throughput, CPU per stage); the ratios trajbus /
+   peer (throughput: goal >= 0.5; p99 at 2,000 events/s) are target rows.
+
 Memory at 20,000 concurrently open episodes is measured by ``bench/bench_reorder.py``
 (``memory.state_bytes_per_episode``); it is not repeated here.
 
@@ -459,6 +467,313 @@ async def overlap_phase(args: argparse.Namespace, settings: Settings, mode: str,
             "training_s_per_episode": round(train_per_event_s * (2 * steps + 2), 3)}
 
 
+# -- the minimal peer pipeline (issue 17, item 4) ------------------------------------------------
+# confluent-kafka idempotent producer -> broker -> minimal consume/reorder/produce loop with
+# ~100 ms transactions and a changelog (bench_worker.py's confluent-txn loop) -> read_committed
+# confluent-kafka consumer; same broker, same event shapes and offered rates as trajbus above.
+def _bench_worker() -> Any:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_worker
+
+    return bench_worker
+
+
+def produce_peer(args: argparse.Namespace) -> dict[str, Any]:
+    """``--produce-peer``: the peer's sending side. One confluent-kafka idempotent producer
+    (acks=all, the worker's compression, linger 5 ms); the same events as :func:`produce`
+    (same shapes, sandboxes, steps and pacing), encoded with the trajbus codec and stamped with
+    their creation time; no journal, redaction or per-event acknowledgement. Prints JSON."""
+    import hashlib
+
+    from confluent_kafka import Producer
+
+    from trajbus.bus.settings import KafkaSettings
+    from trajbus.schemas.codec import default_codec
+
+    encode = default_codec().encode
+    t_start, t_call, t_res, t_end = _bench_worker().event_templates()
+    p = Producer({"bootstrap.servers": args.bootstrap, "enable.idempotence": True, "acks": "all",
+                  "compression.type": KafkaSettings().compression_type or "none",
+                  "linger.ms": 5, "partitioner": "murmur2_random",
+                  "queue.buffering.max.messages": 1_000_000})
+    canon_args = json.dumps({"cmd": "pytest -x tests/test_parser.py", "cwd": "/work/repo",
+                             "timeout": 60}, sort_keys=True, separators=(",", ":"))
+    canon_res = json.dumps({"stdout": "3 passed in 0.41s", "rc": 0}, sort_keys=True,
+                           separators=(",", ":"))
+    call_fields = {"tool": "shell", "args_canonical": canon_args, "args_summary": canon_args[:40],
+                   "args_hash": hashlib.sha256(canon_args.encode()).hexdigest()}
+    res_fields = {"tool": "shell", "result_canonical": canon_res, "duration_ms": 410,
+                  "result_summary": canon_res[:40],
+                  "result_hash": hashlib.sha256(canon_res.encode()).hexdigest()}
+    sandboxes = [f"{args.phase}-sb{i:04d}" for i in range(args.sandboxes)]
+    cur: list[list[Any]] = [[None, 0, 0] for _ in sandboxes]  # episode, steps done, counter
+    topic, task = args.peer_topic, args.task
+
+    def send(k: int, template: dict[str, Any], kind: str, seq: int, **extra: Any) -> None:
+        sb, ep = sandboxes[k], cur[k][0]
+        rec = dict(template)
+        rec["header"] = {"event_id": f"{sb}-{ep}-{seq}", "task": task, "sandbox": sb,
+                         "episode": ep, "seq": seq, "event_time_ms": int(now_ms()),
+                         "producer_id": f"peer/{sb}", "policy_version": None}
+        rec.update(extra)
+        while True:
+            try:
+                p.produce(topic, encode(kind, rec), key=sb.encode())
+                break
+            except BufferError:
+                p.poll(0.01)
+        p.poll(0)
+
+    # connection, metadata and the idempotent producer id before the clock starts (as the
+    # emitters' start()): one record with the tick key, which the loop skips
+    p.produce(topic, b"", key=b"_tick", partition=0)
+    if p.flush(60):
+        raise RuntimeError("peer producer: warm-up record not acknowledged in 60 s")
+    rate, n, i = args.rate, 0, 0
+    cpu0 = time.process_time()
+    t_first = now_ms()
+    t0 = time.perf_counter()
+    while n < args.events:
+        if rate > 0:  # paced: event n is due at t0 + n / rate
+            ahead = t0 + n / rate - time.perf_counter()
+            if ahead > 0.001:
+                time.sleep(ahead)
+        k = i % len(sandboxes)
+        i += 1
+        st = cur[k]
+        if st[0] is None:
+            st[0], st[1] = f"{args.phase}-ep{k}-{st[2]}", 0
+            st[2] += 1
+            send(k, t_start, "EpisodeStart", 0)
+        elif st[1] >= 2 * args.steps:
+            send(k, t_end, "EpisodeEnd", st[1] + 1)
+            st[0] = None
+        elif st[1] % 2 == 0:
+            send(k, t_call, "ToolCall", st[1] + 1, call_id=f"c{st[1]}", **call_fields)
+            st[1] += 1
+        else:
+            send(k, t_res, "ToolResult", st[1] + 1, call_id=f"c{st[1] - 1}", **res_fields)
+            st[1] += 1
+        n += 1
+    t_last_emit = now_ms()
+    for k, st in enumerate(cur):  # close open episodes
+        if st[0] is not None:
+            send(k, t_end, "EpisodeEnd", st[1] + 1)
+            st[0] = None
+            n += 1
+    acked = p.flush(120) == 0
+    cpu = time.process_time() - cpu0
+    return {"events": n, "t_first_emit_ms": t_first, "t_last_emit_ms": t_last_emit,
+            "t_all_acked_ms": now_ms(), "all_acked": acked, "cpu_s": round(cpu, 3),
+            "emit_events_per_s": round(n / max(1e-9, (t_last_emit - t_first) / 1000)),
+            "events_per_cpu_s": round(n / max(cpu, 1e-9))}
+
+
+class PeerConsumer:
+    """The peer's trainer side: a read_committed confluent-kafka consumer in a thread; offsets
+    committed (asynchronously) at most every 100 ms. Records each event's latency (receipt -
+    event_time_ms) and its split at the output record's timestamp (the loop's produce)."""
+
+    def __init__(self, bootstrap: str, topic: str, group: str) -> None:
+        import threading
+
+        self.bootstrap, self.topic, self.group = bootstrap, topic, group
+        self.sinks: dict[str, Sink] = {}
+        self.seen: dict[str, set[tuple[str, int]]] = {}
+        self.duplicates: dict[str, int] = {}
+        self.assigned = threading.Event()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="peer-consumer", daemon=True)
+
+    async def start(self) -> None:
+        self.thread.start()
+        for _ in range(600):
+            if self.assigned.is_set():
+                return
+            await asyncio.sleep(0.05)
+        raise RuntimeError("peer consumer: no partitions assigned in 30 s")
+
+    def _run(self) -> None:
+        from confluent_kafka import Consumer
+
+        from trajbus.schemas.codec import default_codec
+
+        decode = default_codec().decode
+        c = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.group,
+                      "isolation.level": "read_committed", "auto.offset.reset": "earliest",
+                      "enable.auto.commit": False})
+        c.subscribe([self.topic], on_assign=lambda _c, _parts: self.assigned.set())
+        last_commit = 0.0
+        try:
+            while not self.stopping.is_set():
+                msgs = c.consume(1000, 0.05)
+                t = now_ms()
+                for msg in msgs:
+                    if msg.error() is not None:
+                        continue
+                    h = decode(msg.value() or b"").header
+                    phase = h["episode"].split("-", 1)[0]
+                    sink = self.sinks.setdefault(phase, Sink())
+                    seen = self.seen.setdefault(phase, set())
+                    key = (h["episode"], h["seq"])
+                    if key in seen:
+                        self.duplicates[phase] = self.duplicates.get(phase, 0) + 1
+                        continue
+                    seen.add(key)
+                    if not sink.first_ms:
+                        sink.first_ms = t
+                    sink.last_ms = t
+                    sink.events += 1
+                    sink.latencies_ms.append(t - h["event_time_ms"])
+                    ts = msg.timestamp()[1]
+                    sink.to_worker_ms.append(ts - h["event_time_ms"])
+                    sink.to_trainer_ms.append(t - ts)
+                if msgs and time.monotonic() - last_commit >= 0.1:
+                    c.commit(asynchronous=True)
+                    last_commit = time.monotonic()
+        finally:
+            c.close()
+
+    async def wait_for(self, phase: str, events: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.sinks.get(phase, Sink()).events >= events:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def stop(self) -> None:
+        self.stopping.set()
+        await asyncio.to_thread(self.thread.join, 30)
+
+
+async def peer_phase(args: argparse.Namespace, topic: str, consumer: PeerConsumer,
+                     loop_pid: int, rate: int, events: int, phase: str) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--produce-peer", "--bootstrap",
+           args.bootstrap, "--peer-topic", topic, "--task", "bench-peer", "--phase", phase,
+           "--rate", str(rate), "--events", str(events), "--sandboxes", str(args.sandboxes),
+           "--steps", str(args.steps)]
+    l_cpu0, c_cpu0 = proc_cpu_s(loop_pid), time.process_time()
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE, cwd=ROOT)
+    out, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"peer producer failed ({proc.returncode}): {err.decode()[-2000:]}")
+    prod = json.loads(out.decode().strip().splitlines()[-1])
+    total = prod["events"]
+    ok = await consumer.wait_for(phase, total, timeout=max(60.0, total / 2000))
+    l_cpu, c_cpu = proc_cpu_s(loop_pid) - l_cpu0, time.process_time() - c_cpu0
+    sink = consumer.sinks.get(phase, Sink())
+    span_s = max(1e-9, (sink.last_ms - prod["t_first_emit_ms"]) / 1000)
+    lat = sink.latencies_ms
+    return {
+        "offered_events_per_s": rate or "max", "events_emitted": total,
+        "events_delivered": sink.events, "complete": ok,
+        "duplicates": consumer.duplicates.get(phase, 0),
+        "emit_events_per_s": prod["emit_events_per_s"],
+        "end_to_end_events_per_s": round(sink.events / span_s),
+        "latency_ms": {"p50": round(percentile(lat, 50), 1), "p90": round(percentile(lat, 90), 1),
+                       "p99": round(percentile(lat, 99), 1), "max": round(max(lat, default=0), 1),
+                       "mean": round(statistics.fmean(lat), 1) if lat else None},
+        "latency_split_ms": {
+            "event_to_loop_output": {q: round(percentile(sink.to_worker_ms, v), 1)
+                                     for q, v in (("p50", 50), ("p99", 99))},
+            "loop_output_to_consumer": {q: round(percentile(sink.to_trainer_ms, v), 1)
+                                        for q, v in (("p50", 50), ("p99", 99))},
+        },
+        "cpu_s": {"producer": prod["cpu_s"], "loop": round(l_cpu, 2),
+                  "consumer": round(c_cpu, 2)},
+        "events_per_cpu_s": {"producer": prod["events_per_cpu_s"],
+                             "loop": round(total / l_cpu) if l_cpu else None,
+                             "consumer": round(total / c_cpu) if c_cpu else None},
+    }
+
+
+async def peer_pipeline(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
+    """The minimal peer pipeline at the same offered rates as trajbus (see the comment above)."""
+    from trajbus.bus.settings import KafkaSettings
+
+    bw = _bench_worker()
+    name = f"{prefix}-peer"
+    in_topic, out_topic, state_topic = f"{name}.in", f"{name}.out", f"{name}.state"
+    bw.create_topics(args.bootstrap, [in_topic, out_topic], args.partitions)
+    bw.create_topics(args.bootstrap, [state_topic], args.partitions, compacted=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-e2e-peer-"))
+    bw.write_schemas(work / "schemas.json")
+    log = open(work / "loop.log", "ab")
+    loop = subprocess.Popen([
+        sys.executable, str(Path(bw.__file__).resolve()), "--peer", "confluent-txn",
+        "--bootstrap", args.bootstrap, "--group", f"{name}.loop", "--in-topics", in_topic,
+        "--out-topic", out_topic, "--state-topic", state_topic,
+        "--schemas", str(work / "schemas.json"),
+        "--compression", KafkaSettings().compression_type or "none", "--idle", "1e9",
+        "--txn-interval-ms", str(args.peer_txn_interval_ms)], stdout=log, stderr=log, cwd=ROOT)
+    consumer = PeerConsumer(args.bootstrap, out_topic, f"{name}.consumer")
+    phases: list[dict[str, Any]] = []
+    try:
+        await consumer.start()
+        warm = await peer_phase(args, in_topic, consumer, loop.pid, 0, 20, "peerwarm")
+        if not warm["complete"]:
+            raise RuntimeError(f"peer warm-up did not arrive; loop log {work / 'loop.log'}")
+        for rate in args.rates:
+            events = args.events if rate == 0 else min(args.events, int(rate * args.seconds))
+            print(f"[e2e] minimal peer pipeline: offered {rate or 'max'} events/s, {events} "
+                  "events", flush=True)
+            phases.append(await peer_phase(args, in_topic, consumer, loop.pid, rate, events,
+                                           f"peer{rate or 'max'}"))
+            if loop.poll() is not None:
+                raise RuntimeError(f"peer loop exited {loop.returncode}; log {work}/loop.log")
+    finally:
+        await consumer.stop()
+        stop_worker(loop)
+        log.close()
+    return {"pipeline": "confluent-kafka idempotent producer -> broker -> minimal reorder loop "
+                        f"(bench_worker.py confluent-txn: transactions every "
+                        f"{args.peer_txn_interval_ms:g} ms with a changelog) -> read_committed "
+                        "confluent-kafka consumer (commits every 100 ms)",
+            "phases": phases, "loop_log": str(work / "loop.log")}
+
+
+def peer_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """trajbus against the peer pipeline of the same run: throughput and p99 at 2,000/s."""
+    peer = res.get("peer_pipeline", {}).get("phases", [])
+    if not peer:
+        return []
+    out: list[dict[str, Any]] = []
+    peer_best = max((p["end_to_end_events_per_s"] for p in peer), default=0)
+    peer_at = [p for p in peer if p["offered_events_per_s"] == TARGET_P99_RATE]
+    if peer_at:
+        out.append({"measure": f"minimal peer pipeline: p99 latency at {TARGET_P99_RATE:,} "
+                               "events/s, ms", "result": peer_at[0]["latency_ms"]["p99"],
+                    "target": "(reported)", "met": bool(peer_at[0]["complete"])})
+    for name, rates in res.get("trainers", {}).items():
+        best = max((p["end_to_end_events_per_s"] for p in rates), default=0)
+        if peer_best:
+            ratio = round(best / peer_best, 3)
+            out.append({"measure": f"end-to-end events/s, best phase: trajbus (trainer {name}) "
+                                   "/ minimal peer pipeline", "result": ratio,
+                        "target": ">= 0.5", "met": ratio >= 0.5})
+        for p in rates:  # the worker vs the peer loop, per CPU-second, at the same offered rate
+            if p["offered_events_per_s"] not in (TARGET_P99_RATE, "max"):
+                continue
+            twin = [q for q in peer if q["offered_events_per_s"] == p["offered_events_per_s"]]
+            w, lp = p["events_per_cpu_s"]["worker"], (twin[0]["events_per_cpu_s"]["loop"]
+                                                      if twin else None)
+            if w and lp:
+                ratio = round(w / lp, 3)
+                out.append({"measure": f"live flow, offered {p['offered_events_per_s']}/s: "
+                                       f"worker / peer loop events per CPU-second (trainer "
+                                       f"{name})", "result": ratio, "target": ">= 0.7",
+                            "met": ratio >= 0.7})
+        at = [p for p in rates if p["offered_events_per_s"] == TARGET_P99_RATE]
+        if at and peer_at and peer_at[0]["latency_ms"]["p99"]:
+            ratio = round(at[0]["latency_ms"]["p99"] / peer_at[0]["latency_ms"]["p99"], 2)
+            out.append({"measure": f"p99 at {TARGET_P99_RATE:,} events/s: trajbus (trainer "
+                                   f"{name}) / minimal peer pipeline", "result": ratio,
+                        "target": "(reported)", "met": True})
+    return out
+
+
 # -- the worker -------------------------------------------------------------------------------
 def start_worker(settings: Settings, log_path: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
@@ -544,11 +859,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         stop_worker(worker)
         await close_producer()
+    if args.peer:  # after the worker stopped: the two pipelines never share the cores
+        print("[e2e] minimal peer pipeline", flush=True)
+        res["peer_pipeline"] = await peer_pipeline(args, prefix)
     res["memory_20k_open_episodes"] = ("see bench_reorder.py: memory.state_bytes_per_episode "
                                        "(20,000 open episodes in a full run)")
     res["worker_log"] = str(log_path)
     res["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
-    res["targets"] = targets(res)
+    res["targets"] = targets(res) + peer_targets(res)
     return res
 
 
@@ -595,6 +913,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-input", action="store_true",
                     help="also read the input topic to split the latency before the worker "
                          "(costs trainer-process CPU)")
+    ap.add_argument("--no-peer", dest="peer", action="store_false",
+                    help="skip the minimal peer pipeline (confluent-kafka producer -> minimal "
+                         "reorder loop -> consumer) run at the same rates after trajbus")
+    ap.add_argument("--peer-txn-interval-ms", type=float, default=100.0,
+                    help="the peer loop's transaction interval")
     ap.add_argument("--overlap-episodes", type=int, default=6)
     ap.add_argument("--overlap-steps", type=int, default=20)
     ap.add_argument("--overlap-step-ms", type=float, default=25.0)
@@ -602,6 +925,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="training time / acting time of an episode (simulated trainer)")
     # producer subprocess mode
     ap.add_argument("--produce", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--produce-peer", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--peer-topic", help=argparse.SUPPRESS)
     ap.add_argument("--prefix", help=argparse.SUPPRESS)
     ap.add_argument("--task", help=argparse.SUPPRESS)
     ap.add_argument("--phase", help=argparse.SUPPRESS)
@@ -609,6 +934,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.produce:
         print(json.dumps(asyncio.run(produce(args))))
+        return 0
+    if args.produce_peer:
+        print(json.dumps(produce_peer(args)))
         return 0
     res = asyncio.run(main_async(args))
     for name, phases in res.get("trainers", {}).items():
@@ -620,6 +948,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{lat['p99']} ms (split {p['latency_split_ms']}"
                   f"{', input ' + str(p['input_probe_ms']) if 'input_probe_ms' in p else ''}"
                   f"); ev per CPU-s: {p['events_per_cpu_s']}")
+    for p in res.get("peer_pipeline", {}).get("phases", []):
+        lat = p["latency_ms"]
+        print(f"e2e [minimal peer pipeline] offered {p['offered_events_per_s']}/s: delivered "
+              f"{p['events_delivered']:,}/{p['events_emitted']:,} at "
+              f"{p['end_to_end_events_per_s']:,} ev/s, latency p50 {lat['p50']} ms p99 "
+              f"{lat['p99']} ms (split {p['latency_split_ms']}); ev per CPU-s: "
+              f"{p['events_per_cpu_s']}")
     for name, ov in res.get("segmented_vs_whole", {}).items():
         if isinstance(ov, dict):
             first, whole = ov["first_usable_vs_whole_ms"]

@@ -107,27 +107,44 @@ def median(values: list[float]) -> float | None:
 
 
 # -- the backlog -------------------------------------------------------------------------------
-def make_backlog(sandboxes: int, events: int, disorder: float, dups: float, seed: int
-                 ) -> tuple[list[tuple[bytes, bytes]], dict[bytes, tuple[str, int]],
-                            dict[str, Any]]:
-    """(key, value) records in delivery order, the expected distinct events (raw bytes ->
-    (episode key, seq)) and a description. Encoded with the trajbus codec."""
+def event_templates() -> tuple[dict[str, Any], ...]:
+    """Avro-ready records of EpisodeStart, ToolCall, ToolResult and EpisodeEnd (built once
+    through the models, so every field is present); copy one and set the header and fields."""
     from trajbus.schemas import models as m
-    from trajbus.schemas.codec import default_codec
-
-    codec = default_codec()
-    rng = random.Random(seed)
-    t_base = int(time.time() * 1000) - 3_600_000
 
     def tmpl(ev: Any) -> dict[str, Any]:
         return m._avro_ready(ev.to_record())
 
     hdr = m.Envelope(event_id="x", task="t", sandbox="s", episode="e", seq=0, producer_id="p")
-    t_start = tmpl(m.EpisodeStart(header=hdr, tenant="team-a", context={"dataset": "v3"}))
-    t_call = tmpl(m.ToolCall(header=hdr, call_id="c", tool="shell", args_hash="0" * 64))
-    t_res = tmpl(m.ToolResult(header=hdr, call_id="c", tool="shell", status=m.ToolStatus.OK,
-                              result_hash="0" * 64, duration_ms=1))
-    t_end = tmpl(m.EpisodeEnd(header=hdr, outcome=m.EpisodeOutcome.TERMINAL))
+    return (tmpl(m.EpisodeStart(header=hdr, tenant="team-a", context={"dataset": "v3"})),
+            tmpl(m.ToolCall(header=hdr, call_id="c", tool="shell", args_hash="0" * 64)),
+            tmpl(m.ToolResult(header=hdr, call_id="c", tool="shell", status=m.ToolStatus.OK,
+                              result_hash="0" * 64, duration_ms=1)),
+            tmpl(m.EpisodeEnd(header=hdr, outcome=m.EpisodeOutcome.TERMINAL)))
+
+
+def write_schemas(path: Path) -> None:
+    """{fingerprint hex: {kind, parsing canonical form}} of every bundled schema, for the peers
+    (which decode with fastavro alone)."""
+    from trajbus.schemas.codec import default_codec
+
+    reg = default_codec().registry
+    path.write_text(json.dumps({
+        info.fingerprint.hex(): {"kind": info.short_name, "canonical": info.canonical}
+        for info in (reg.reader(n) for n in reg.names)}))
+
+
+def make_backlog(sandboxes: int, events: int, disorder: float, dups: float, seed: int
+                 ) -> tuple[list[tuple[bytes, bytes]], dict[bytes, tuple[str, int]],
+                            dict[str, Any]]:
+    """(key, value) records in delivery order, the expected distinct events (raw bytes ->
+    (episode key, seq)) and a description. Encoded with the trajbus codec."""
+    from trajbus.schemas.codec import default_codec
+
+    codec = default_codec()
+    rng = random.Random(seed)
+    t_base = int(time.time() * 1000) - 3_600_000
+    t_start, t_call, t_res, t_end = event_templates()
     tools = ("shell", "editor.open", "editor.write", "browser.click", "python")
     per_sb = max(4, events // sandboxes)
     expected: dict[bytes, tuple[str, int]] = {}
@@ -587,7 +604,7 @@ def peer_confluent(a: argparse.Namespace) -> int:
         pending = False
 
     while True:
-        msgs = c.consume(2000, 0.1)
+        msgs = c.consume(2000, a.poll_ms / 1000)  # returns at 2000 records or the timeout
         now = time.monotonic()
         if msgs:
             last_data = now
@@ -815,7 +832,6 @@ def quix_pin() -> str:
 def main_bench(a: argparse.Namespace) -> dict[str, Any]:
     from trajbus.bus.admin import ensure_base_topics
     from trajbus.bus.settings import KafkaSettings, Settings, TopicSettings
-    from trajbus.schemas.codec import default_codec
 
     load_start = os.getloadavg()
     notes: list[str] = []
@@ -850,10 +866,7 @@ def main_bench(a: argparse.Namespace) -> dict[str, Any]:
           f"{desc['out_of_order_fraction']:.1%} out of order, "
           f"{desc['duplicate_fraction']:.1%} duplicates", flush=True)
     schemas_file = work / "schemas.json"
-    reg = default_codec().registry
-    schemas_file.write_text(json.dumps({
-        info.fingerprint.hex(): {"kind": info.short_name, "canonical": info.canonical}
-        for info in (reg.reader(n) for n in reg.names)}))
+    write_schemas(schemas_file)
 
     rounds: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for r in range(a.repeat):
@@ -1033,6 +1046,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-topic", help=argparse.SUPPRESS)
     ap.add_argument("--schemas", help=argparse.SUPPRESS)
     ap.add_argument("--compression", default="lz4", help=argparse.SUPPRESS)
+    ap.add_argument("--poll-ms", type=float, default=20.0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.peer:
         if a.peer.startswith("confluent"):
