@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
+from faults_support import committed_offsets, end_offsets
 
 from trajbus.archive.archiver import run_archiver
 from trajbus.archive.query import ArchiveReader
@@ -55,6 +56,16 @@ async def test_until_idle_archives_once_and_dead_letters_junk(
     assert stats.rows == len(first) and stats.dead_letters == 1
     assert dead[0][5] == "bad_magic"
     assert sum(stats.committed.values()) == len(first) + 1
+    # What the group committed (read from the broker) is durable: every offset below a
+    # partition's committed offset is a row of the store or the dead letter, and the commits
+    # reach the end of the topic.
+    committed = await committed_offsets(settings, unique_name)
+    ends = await end_offsets(settings, [topic])
+    assert committed == ends
+    stored = {(p, o) for p, o in ArchiveReader(store).connect().execute(
+        "SELECT kafka_partition, kafka_offset FROM events").fetchall()}
+    assert stored | {(d[1], d[2]) for d in dead} == {
+        (tp.partition, o) for tp, end in committed.items() for o in range(end)}
 
     # More events; a second run continues from the committed offsets: nothing twice.
     second = episode_events("web", "sb-0", "ep-1", t0_ms=T0 + 60_000)
