@@ -59,6 +59,7 @@ import io
 import json
 import os
 import random
+import re
 import resource
 import statistics
 import struct
@@ -379,13 +380,13 @@ class GroupWatch:
 
 # -- running one variant -----------------------------------------------------------------------
 def run_measured(cmd: list[str], env: dict[str, str] | None, watch: GroupWatch,
-                 timeout: float, log_path: Path) -> dict[str, Any]:
+                 timeout: float, log_path: Path, cwd: Path = ROOT) -> dict[str, Any]:
     """Start ``cmd``, measure its CPU and wall time from group-active to drained, wait for
     its exit."""
     log = open(log_path, "ab")
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t_launch = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=log)
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=log)
     start: tuple[float, float, float, float] | None = None  # wall, cpu, box busy, harness
     end: tuple[float, float, float, float] | None = None
     last_cpu = 0.0
@@ -817,6 +818,39 @@ def quix_python(a: argparse.Namespace, notes: list[str]) -> str | None:
     return py
 
 
+def export_ref(ref: str) -> Path:
+    """``git archive`` of ``ref`` laid out as the installed package (pyproject's package-dir:
+    ``bus/`` -> ``trajbus/bus`` ...), in a temporary directory to put first on PYTHONPATH."""
+    import shutil
+    import tarfile
+    import tomllib
+
+    out = Path(tempfile.mkdtemp(prefix="bench-worker-ref-"))
+    src, pkg = out / "src", out / "pkg"
+    blob = subprocess.run(["git", "archive", "--format=tar", ref], cwd=ROOT, check=True,
+                          capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(src, filter="data")
+    dirs = tomllib.loads((src / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"]
+    for name, folder in sorted(dirs.items()):
+        shutil.copytree(src / folder, pkg / name.replace(".", "/"), dirs_exist_ok=True)
+    return pkg
+
+
+def git_describe(ref: str) -> str:
+    got = subprocess.run(["git", "log", "-1", "--format=%h %cd", "--date=iso", ref], cwd=ROOT,
+                         capture_output=True, text=True)
+    return got.stdout.strip() or ref
+
+
+def git_dirty() -> bool:
+    got = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                          "consumers", "bus", "schemas", "trajbus"], cwd=ROOT,
+                         capture_output=True, text=True)
+    return bool(got.stdout.strip())
+
+
 def quix_pin() -> str:
     """The quixstreams requirement of pyproject.toml's bench-quix extra."""
     import tomllib
@@ -839,6 +873,16 @@ def main_bench(a: argparse.Namespace) -> dict[str, Any]:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    a.ref_trees = {}
+    for ref in a.trajbus_ref or []:  # the worker of another commit, right after "trajbus"
+        a.ref_trees[ref] = export_ref(ref)
+        at = variants.index("trajbus") + 1 if "trajbus" in variants else 0
+        variants.insert(at, f"trajbus@{ref}")
+        notes.append(f"trajbus@{ref}: the worker of git ref {ref} "
+                     f"({git_describe(ref)}), exported to {a.ref_trees[ref]}")
+    if "trajbus" in variants:
+        notes.append(f"trajbus: the worker of the working tree ({git_describe('HEAD')}"
+                     f"{', with uncommitted changes' if git_dirty() else ''})")
     qpy = quix_python(a, notes) if "quix-eos" in variants else None
     if "quix-eos" in variants and qpy is None:
         variants.remove("quix-eos")
@@ -895,8 +939,10 @@ def run_variant(a: argparse.Namespace, v: str, r: int, base: str, src: str,
 
     n_records = sum(target_src.values())
     log_path = work / f"{v}-r{r + 1}.log"
-    if v == "trajbus":
-        prefix = f"{base}-tb{r + 1}"
+    if v == "trajbus" or v.startswith("trajbus@"):
+        tree = a.ref_trees.get(v.partition("@")[2]) if "@" in v else None
+        tag = re.sub(r"[^A-Za-z0-9_-]", "_", v.partition("@")[2])
+        prefix = f"{base}-tb{'-' + tag if tag else ''}-r{r + 1}"
         asyncio.run(ensure_base_topics(settings(prefix), []))
         copy_topic(a.bootstrap, f"{src}.sandbox.events", f"{prefix}.sandbox.events",
                    compression)
@@ -905,10 +951,12 @@ def run_variant(a: argparse.Namespace, v: str, r: int, base: str, src: str,
         env.update({"TRAJBUS_KAFKA__BOOTSTRAP_SERVERS": a.bootstrap,
                     "TRAJBUS_TOPICS__PREFIX": prefix,
                     "TRAJBUS_TOPICS__PARTITIONS": str(a.partitions)})
+        if tree is not None:  # the exported ref's package comes first on the path
+            env["PYTHONPATH"] = str(tree)
         cmd = [sys.executable, "-m", "trajbus", "worker", "--processors", "reorder",
                "--worker-id", "bench", "--until-idle", str(a.trajbus_idle), "-v"]
         watch = GroupWatch(a.bootstrap, f"{prefix}.reorder", f"{prefix}.sandbox.events", target)
-        res = run_measured(cmd, env, watch, a.timeout, log_path)
+        res = run_measured(cmd, env, watch, a.timeout, log_path, cwd=tree or ROOT)
         if "error" in res:
             return {**res, "valid": False}
         values, counts = trajbus_events(a.bootstrap, prefix)
@@ -979,13 +1027,23 @@ def summarise(a: argparse.Namespace, rounds: dict[str, list[dict[str, Any]]],
         ratios[f"{v} / {BASELINE}"] = {
             "median_of_round_ratios": None if m is None else round(m, 3),
             "per_round": [round(x, 3) for x in per_round]}
+    for v, runs in rounds.items():  # the working tree against another ref, round by round
+        if v.startswith("trajbus@") and "trajbus" in rounds:
+            per_round = [x["events_per_cpu_s"] / y["events_per_cpu_s"]
+                         for x, y in zip(rounds["trajbus"], runs, strict=False)
+                         if x.get("valid") and y.get("valid") and x.get("events_per_cpu_s")
+                         and y.get("events_per_cpu_s")]
+            m = median(per_round)
+            ratios[f"trajbus / {v}"] = {
+                "median_of_round_ratios": None if m is None else round(m, 3),
+                "per_round": [round(x, 3) for x in per_round]}
     goal = ratios.get(f"trajbus / {BASELINE}", {}).get("median_of_round_ratios")
     targets = [{"measure": "worker / minimal confluent-kafka transactional loop, events per "
                            "CPU-second draining a backlog (median of interleaved rounds)",
                 "result": goal if goal is not None else "n/a",
                 "target": f">= {TARGET_RATIO}", "met": goal is not None and goal >= TARGET_RATIO}]
-    for v in VARIANTS:
-        if v in table and table[v]["events_per_cpu_s"] is not None:
+    for v in table:
+        if table[v]["events_per_cpu_s"] is not None:
             targets.append({"measure": f"{v}: events per CPU-second draining the backlog",
                             "result": table[v]["events_per_cpu_s"], "target": "(reported)",
                             "met": True})
@@ -1020,6 +1078,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="fraction of events re-sent as exact copies 1-30 places later")
     ap.add_argument("--partitions", type=int, default=6)
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds")
+    ap.add_argument("--trajbus-ref", action="append", default=None, metavar="REF",
+                    help="also measure the worker of this git ref (e.g. HEAD, to compare "
+                         "uncommitted changes; repeatable), interleaved like the others")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated subset of {', '.join(VARIANTS)}")
     ap.add_argument("--idle", type=float, default=2.0,
