@@ -117,7 +117,7 @@ def _topics_list(args: argparse.Namespace) -> int:
           f"{settings.topics.prefix!r}:")
     width = max([len(n) for n in have | set(missing)] + [20])
     print(f"{'topic':{width}} {'parts':>5} {'offsets':>9}  {'role':<8} purpose")
-    order = {"catalog": 0, "replay": 1, "debug": 2, "state": 3, "other": 4}
+    order = {"catalog": 0, "replay": 1, "debug": 2, "state": 3, "clock": 4, "other": 5}
     for i in sorted(infos, key=lambda i: (order.get(i.role, 9), i.name)):
         print(f"{i.name:{width}} {i.partitions:>5} {i.offsets:>9}  {i.role:<8} {i.purpose}")
     for name in missing:

@@ -104,6 +104,8 @@ def describe_role(settings: Settings, name: str) -> tuple[str, str, str | None]:
         return "replay", f"ordered replay segments of task {task}", task
     if name.endswith(".state"):
         return "state", "processor state (compacted changelog)", None
+    if name.endswith(".ticks"):
+        return "clock", "a processor's clock (Tick records)", None
     return "other", "", None
 
 
@@ -224,11 +226,16 @@ async def describe_group(settings: Settings, group: str) -> GroupInfo:
     return GroupInfo(group, g["state"], tuple(sorted(members, key=lambda x: x.client_id)))
 
 
+TICK_KEY = b"_tick"
+"""The key of the Tick records a worker writes into its input partitions (its clock)."""
+
+
 async def count_records(settings: Settings, ranges: dict[TopicPartition, tuple[int, int]],
-                        cap: int = 20_000, timeout_s: float = 30.0
-                        ) -> dict[TopicPartition, int | None]:
+                        cap: int = 20_000, timeout_s: float = 30.0, *,
+                        skip_key: bytes | None = TICK_KEY) -> dict[TopicPartition, int | None]:
     """Records (not offsets) in ``[start, end)`` of each partition as a ``read_committed``
-    consumer sees them: transaction markers and aborted records are not counted. A partition
+    consumer sees them: transaction markers and aborted records are not counted, nor records
+    keyed ``skip_key`` (default: the processors' Ticks, their clock, not work). A partition
     with more than ``cap`` offsets in its range is not read (None: use the offsets)."""
     out: dict[TopicPartition, int | None] = {}
     todo = {tp: r for tp, r in ranges.items() if r[1] > r[0]}
@@ -253,7 +260,8 @@ async def count_records(settings: Settings, ranges: dict[TopicPartition, tuple[i
         while pending and loop.time() < deadline:
             batch = await consumer.getmany(*pending, timeout_ms=300)
             for tp, msgs in batch.items():
-                out[tp] = (out[tp] or 0) + sum(1 for m in msgs if m.offset < small[tp][1])
+                out[tp] = (out[tp] or 0) + sum(1 for m in msgs if m.offset < small[tp][1]
+                                               and (skip_key is None or m.key != skip_key))
             for tp in list(pending):
                 if await consumer.position(tp) >= small[tp][1]:
                     pending.discard(tp)

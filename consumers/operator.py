@@ -84,6 +84,7 @@ __all__ = [
     "read_sandbox_log",
     "republish",
     "restore_scheduler",
+    "retained_records",
     "summarize",
     "topic_partitions",
     "watchdog_explain",
@@ -121,6 +122,8 @@ class TimelineEntry:
     partition: int = -1
     offset: int = -1
     raw: bytes = field(default=b"", repr=False)
+    log_time_ms: int = -1
+    """The record's Kafka timestamp (when it was written or appended), -1 when unknown."""
 
     @property
     def time(self) -> datetime:
@@ -175,8 +178,23 @@ def _jsonable(value: Any, expand: bool) -> Any:
 
 
 def _ms(x: Any) -> str:
+    from trajbus.bus.positions import duration
+
     n = int(x or 0)
-    return f"{n} ms" if n < 10_000 else f"{n / 1000:.1f} s"
+    return f"{n} ms" if n < 10_000 else duration(n)
+
+
+_LONG_HEX = re.compile(r"\b([0-9a-f]{8})[0-9a-f]{8,}\b")
+
+
+def shorten_ids(text: str) -> str:
+    """Long hex runs (event ids, 64-hex hashes) cut to their first 8 characters and '…'."""
+    return _LONG_HEX.sub(r"\1…", text)
+
+
+def short_id(event_id: str) -> str:
+    """An event id as operators read it: 8 characters of a hex id, other ids whole."""
+    return shorten_ids(event_id).rstrip("…") if _LONG_HEX.fullmatch(event_id) else event_id
 
 
 def _clip(text: str, n: int = 80) -> str:
@@ -249,8 +267,19 @@ def summarize(kind: str, record: dict[str, Any]) -> str:
         return (f"alert {r.get('alert')} x{r.get('repeat_count')} over {_ms(r.get('span_ms'))} "
                 f"seq {r.get('first_seq')}..{r.get('last_seq')}: {_clip(r.get('reason', ''))}")
     if kind == "ReplaySegment":
+        flags = [f for f, on in (("FIRST", r.get("is_first")), ("LAST", r.get("is_last")),
+                                 ("TRUNCATED", r.get("is_last") and not r.get("is_terminal")))
+                 if on]
+        gap = r.get("gap")
         return (f"segment seq {r.get('first_seq')}..{r.get('last_seq')} "
-                f"({len(r.get('events') or [])} events)")
+                f"({len(r.get('events') or [])} events)"
+                + (f" after gap {gap['from_seq']}..{gap['to_seq']}" if gap else "")
+                + (" " + " ".join(flags) if flags else ""))
+    if kind == "DeadLetter":
+        where = f"{r.get('source_topic')} p{r.get('source_partition')}@{r.get('source_offset')}"
+        extra = " (with the kept version)" if r.get("conflicting_value") else ""
+        return (f"dead letter {r.get('stage')}/{r.get('reason_code')} from {where}, "
+                f"{len(r.get('original_value') or b'')} bytes{extra}: {_clip(r.get('reason', ''))}")
     if kind == "Tick":
         return "tick"
     return kind
@@ -266,6 +295,7 @@ def entry_from_decoded(decoded: Decoded, rec: InRecord | None = None) -> Timelin
         record=decoded.record,
         topic=rec.topic if rec else "", partition=rec.partition if rec else -1,
         offset=rec.offset if rec else -1, raw=rec.value if rec else b"",
+        log_time_ms=rec.timestamp_ms if rec else -1,
     )
 
 
@@ -346,23 +376,32 @@ async def group_offsets(settings: Settings, group: str) -> dict[TopicPartition, 
 
 async def group_lag(settings: Settings, group: str, topics: Sequence[str]) -> dict[str, int]:
     """Records in ``topics`` beyond ``group``'s committed offsets, per topic (a partition
-    without a commit counts from its beginning offset)."""
+    without a commit counts from its beginning offset). Records, not offsets: transaction
+    markers and aborted records (which a ``read_committed`` processor never sees) are not
+    counted, so a caught-up group on transactional input shows 0. A partition more than
+    20 000 offsets behind is not read: its offset difference is counted instead."""
+    from trajbus.bus.inventory import count_records
+
     parts = await topic_partitions(settings, topics)
     tps = [TopicPartition(t, p) for t in topics for p in parts.get(t, [])]
     if not tps:
         return {}
     committed = await group_offsets(settings, group)
-    consumer = AIOKafkaConsumer(**connection_options(settings.kafka), enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(**connection_options(settings.kafka), enable_auto_commit=False,
+                                isolation_level="read_committed")
     await consumer.start()
     try:
         begin = await consumer.beginning_offsets(tps)
-        end = await consumer.end_offsets(tps)
+        end = await consumer.end_offsets(tps)  # the last stable offset: read_committed's end
     finally:
         await consumer.stop()
+    ranges = {tp: (max(committed.get(tp, begin[tp]), begin[tp]), end[tp]) for tp in tps}
+    records = await count_records(settings, ranges)
     lag: dict[str, int] = {}
     for tp in tps:
-        done = max(committed.get(tp, begin[tp]), begin[tp])
-        lag[tp.topic] = lag.get(tp.topic, 0) + max(end[tp] - done, 0)
+        a, b = ranges[tp]
+        n = records.get(tp)
+        lag[tp.topic] = lag.get(tp.topic, 0) + (max(b - a, 0) if n is None else n)
     return lag
 
 
@@ -556,6 +595,8 @@ class DerivedRecord:
     reason: str
     producer_id: str
     record: dict[str, Any] = field(repr=False)
+    log_time_ms: int = -1
+    """When it was written (recorded) or when its triggering input was written (reproduced)."""
 
     @property
     def cause_event_ids(self) -> list[str]:
@@ -570,12 +611,13 @@ class DerivedRecord:
         return d
 
     @classmethod
-    def from_decoded(cls, d: Decoded) -> DerivedRecord:
+    def from_decoded(cls, d: Decoded, log_time_ms: int = -1) -> DerivedRecord:
         r = d.record
         label = r.get("decision") or r.get("alert") or d.kind
         return cls(event_id=str(r["header"]["event_id"]), kind=d.kind, label=str(label),
                    time_ms=int(r["header"]["event_time_ms"]), reason=str(r.get("reason", "")),
-                   producer_id=str(r["header"]["producer_id"]), record=r)
+                   producer_id=str(r["header"]["producer_id"]), record=r,
+                   log_time_ms=log_time_ms)
 
 
 Status = Literal["reproduced", "recorded_only", "reproduced_only", "differs", "unchecked"]
@@ -594,7 +636,8 @@ class ExplainedItem:
         return {
             "event_id": self.derived.event_id, "kind": self.derived.kind,
             "label": self.derived.label, "time": _iso(self.derived.time_ms),
-            "time_ms": self.derived.time_ms, "reason": self.derived.reason,
+            "time_ms": self.derived.time_ms, "written_ms": self.derived.log_time_ms,
+            "reason": self.derived.reason,
             "producer_id": self.derived.producer_id, "status": self.status,
             "record": _jsonable(self.derived.record, False),
             "causes": [c.to_dict() for c in self.causes],
@@ -638,27 +681,93 @@ class Explanation:
         }
 
     def render(self) -> str:
-        lines = [f"sandbox {self.sandbox}: {len(self.items)} decisions/alerts; re-ran "
-                 f"{', '.join(self.processors) or 'nothing'} over "
+        """Each decision/alert as cause -> effect, in the order they happened (when they were
+        written to Kafka; a decision citing another comes after it), with human times and
+        short ids (``--json`` has the whole ids and epoch ms)."""
+        lines = [f"sandbox {self.sandbox}: {len(self.items)} decisions/alerts, causes before "
+                 f"effects; re-ran {', '.join(self.processors) or 'nothing'} over "
                  f"{sum(self.inputs_read.values())} input records"]
+        day = _day(_when(self.items[0].derived)) if self.items else None
+        if day:
+            lines.append(f"times: when written to Kafka, UTC, {day}; ids: first 8 characters")
         for it in self.items:
             d = it.derived
-            lines.append(f"{_iso(d.time_ms)}  {d.label:<17} [{it.status}] {d.reason}")
-            lines.append(f"    id {d.event_id} by {d.producer_id}")
-            for c in it.causes:
-                lines.append(f"    <- {c.line()}")
+            lines.append("")
+            lines.append(f"{_clock(_when(d), day)}  {d.label} by "
+                         f"{d.producer_id.removeprefix('trajbus.')} [{it.status}]  id "
+                         f"{short_id(d.event_id)}")
+            for c in sorted(it.causes, key=lambda c: (_entry_when(c), c.seq)):
+                where = f"{c.episode}#{c.seq}" if c.episode is not None else f"sandbox#{c.seq}"
+                lines.append(f"    cause   {_clock(_entry_when(c), day)}  {c.kind:<17} "
+                             f"{where:<14} {humanize(c.summary)}  (id {short_id(c.event_id)})")
             for cid in it.unresolved_causes:
-                lines.append(f"    <- {cid} (not found in the log read)")
+                lines.append(f"    cause   {'?':<12}  id {short_id(cid)} (not found in the log "
+                             "read)")
+            lines.append(f"    effect  {humanize(d.reason)}")
+        lines.append("")
         if self.divergences:
             lines.append(f"DIVERGENCES ({len(self.divergences)}):")
             for dv in self.divergences:
-                lines.append(f"  {dv.kind}: {dv.event_id} {dv.summary}"
+                lines.append(f"  {dv.kind}: {short_id(dv.event_id)} {humanize(dv.summary)}"
                              + (f" ({dv.detail})" if dv.detail else ""))
         else:
             lines.append("no divergence: every recorded decision/alert was reproduced, "
                          "and nothing else")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _when(d: DerivedRecord) -> int:
+    return d.log_time_ms if d.log_time_ms >= 0 else d.time_ms
+
+
+def _entry_when(e: TimelineEntry) -> int:
+    return e.log_time_ms if e.log_time_ms >= 0 else e.time_ms
+
+
+def _day(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%d")
+
+
+def _clock(ms: int, day: str | None) -> str:
+    """``22:33:31.695`` (with the date in front when it is not ``day``)."""
+    t = datetime.fromtimestamp(ms / 1000, tz=UTC)
+    text = t.strftime("%H:%M:%S.") + f"{t.microsecond // 1000:03d}"
+    return text if _day(ms) == day else f"{_day(ms)} {text}"
+
+
+_MS_AMOUNT = re.compile(r"\b(\d{4,}) ?ms\b")
+
+
+def humanize(text: str) -> str:
+    """Long hex ids shortened, millisecond amounts of 1 s and more as durations."""
+    from trajbus.bus.positions import duration
+
+    return _MS_AMOUNT.sub(lambda m: duration(int(m[1])), shorten_ids(text))
+
+
+def causal_order(items: Sequence[ExplainedItem]) -> list[ExplainedItem]:
+    """Items by the time they were written, except that an item citing another (its
+    ``cause_event_ids``) always comes after it."""
+    by_time = sorted(items, key=lambda it: (_when(it.derived), it.derived.event_id))
+    ids = {it.derived.event_id: it for it in by_time}
+    out: list[ExplainedItem] = []
+    placed: set[str] = set()
+
+    def place(it: ExplainedItem, visiting: set[str]) -> None:
+        eid = it.derived.event_id
+        if eid in placed or eid in visiting:
+            return
+        visiting.add(eid)
+        for cid in it.derived.cause_event_ids:
+            if cid in ids:
+                place(ids[cid], visiting)
+        placed.add(eid)
+        out.append(it)
+
+    for it in by_time:
+        place(it, set())
+    return out
 
 
 @dataclass
@@ -694,7 +803,7 @@ def _reruns(settings: Settings, notes: list[str]) -> list[_Rerun]:
 
 
 def _run_adapter(run: _Rerun, parts: dict[TopicPartition, list[InRecord]],
-                 upto: dict[TopicPartition, int]) -> list[OutRecord]:
+                 upto: dict[TopicPartition, int]) -> list[tuple[OutRecord, int]]:
     """Feed one processor kind the merged log exactly as the runner would: one adapter for
     every partition (global) or one per partition number (as ``Runner._slot`` does), only the
     records below ``upto`` (the group's committed offsets: what the live group processed)."""
@@ -703,13 +812,13 @@ def _run_adapter(run: _Rerun, parts: dict[TopicPartition, list[InRecord]],
             or (run.pattern is not None and re.match(run.pattern, tp.topic))}
     mine = {tp: [r for r in recs if r.offset < upto.get(tp, 0)] for tp, recs in mine.items()}
     cores: dict[int, Any] = {}
-    outs: list[OutRecord] = []
+    outs: list[tuple[OutRecord, int]] = []
     for rec in merge_by_timestamp(mine, run.input_topics):
         slot = 0 if run.global_state else rec.partition
         core = cores.get(slot)
         if core is None:
             core = cores[slot] = run.factory()
-        outs.extend(core.handle(rec))
+        outs.extend((out, rec.timestamp_ms) for out in core.handle(rec))
     return outs
 
 
@@ -755,19 +864,19 @@ async def explain(settings: Settings, sandbox: str, *, timeout_s: float = 300.0)
         ran.add(run.name)
         notes.append(f"{run.name}: re-ran over the input records up to the offsets group "
                      f"{group} has committed, i.e. what the live worker has processed")
-        for out in _run_adapter(run, parts, upto):
+        for out, log_time in _run_adapter(run, parts, upto):
             if out.topic not in (topics.decisions, topics.alerts):
                 continue
-            dr = DerivedRecord.from_decoded(codec.decode(out.value))
+            dr = DerivedRecord.from_decoded(codec.decode(out.value), log_time)
             if dr.record["header"]["sandbox"] == sandbox:
                 reproduced.setdefault(dr.event_id, dr)
 
     recorded: dict[str, DerivedRecord] = {}
     for tp in sorted(recorded_parts, key=lambda tp: (tp.topic, tp.partition)):
-        for _, d in _decode_all(recorded_parts[tp], codec):
+        for rec, d in _decode_all(recorded_parts[tp], codec):
             if d.kind in ("SchedulingDecision", "WatchdogAlert") \
                     and d.header.get("sandbox") == sandbox:
-                dr = DerivedRecord.from_decoded(d)
+                dr = DerivedRecord.from_decoded(d, rec.timestamp_ms)
                 recorded.setdefault(dr.event_id, dr)
 
     skipped = ({r.name for r in runs} - ran) | ({"watchdog"} if len(runs) == 1 else set())
@@ -808,13 +917,14 @@ async def explain(settings: Settings, sandbox: str, *, timeout_s: float = 300.0)
                             "and no decision or alert about it",
                             hint=existing("sandboxes", {e.sandbox for e in index.values()
                                                         if e.kind != "Tick"}))
-    return Explanation(sandbox, items, divergences, notes, sorted(ran), dict(inputs_read))
+    return Explanation(sandbox, causal_order(items), divergences, notes, sorted(ran),
+                       dict(inputs_read))
 
 
 def _causes(d: DerivedRecord, index: dict[str, TimelineEntry]
             ) -> tuple[list[TimelineEntry], list[str]]:
     found, missing = [], []
-    for cid in d.cause_event_ids:
+    for cid in dict.fromkeys(d.cause_event_ids):
         if cid in index:
             found.append(index[cid])
         else:
@@ -961,34 +1071,43 @@ def _with_raw(e: TimelineEntry, codec: Codec) -> TimelineEntry:
 
 
 # -- status ----------------------------------------------------------------------------------
-async def _offset_counts(settings: Settings, topics: Sequence[str]) -> dict[str, int]:
-    """Records currently retained per topic (end - beginning offsets, summed over partitions;
-    transaction markers count too, so this is an upper bound for transactional topics)."""
+async def retained_records(settings: Settings, topics: Sequence[str]) -> dict[str, int]:
+    """Records currently retained per existing topic, as a ``read_committed`` reader sees them
+    (transaction markers and aborted records not counted; a partition of more than 20 000
+    offsets is not read: its offset difference is counted instead)."""
+    from trajbus.bus.inventory import count_records
+
     parts = await topic_partitions(settings, topics)
     tps = [TopicPartition(t, p) for t in parts for p in parts[t]]
     out = dict.fromkeys(parts, 0)
     if not tps:
         return out
-    consumer = AIOKafkaConsumer(**connection_options(settings.kafka), enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(**connection_options(settings.kafka), enable_auto_commit=False,
+                                isolation_level="read_committed")
     await consumer.start()
     try:
         begin = await consumer.beginning_offsets(tps)
         end = await consumer.end_offsets(tps)
     finally:
         await consumer.stop()
+    counted = await count_records(settings, {tp: (begin[tp], end[tp]) for tp in tps})
     for tp in tps:
-        out[tp.topic] += end[tp] - begin[tp]
+        n = counted.get(tp)
+        out[tp.topic] += end[tp] - begin[tp] if n is None else n
     return out
 
 
 async def fleet_status(settings: Settings) -> dict[str, Any]:
-    """For ``trajbus status``: consumer lag per processor group (input topic -> records not yet
-    committed by the group), dead letters retained, and the replay topics with their sizes."""
+    """For ``trajbus status``: per processor group, its live members (client id, host,
+    assigned partitions; none: no worker runs it) and its lag (records not yet processed,
+    transaction markers excluded) per input topic; dead letters retained; the replay topics
+    with their sizes."""
+    from trajbus.bus.inventory import describe_group
     from trajbus.consumers import processors
 
     await check_broker(settings.kafka)
     topics = Topics(settings)
-    existing = set(await topic_partitions(settings))
+    existing_topics = set(await topic_partitions(settings))
     groups: dict[str, Any] = {}
     for name in ("reorder", "watchdog", "scheduler"):
         spec_fn = getattr(processors, f"{name}_spec", None)
@@ -996,19 +1115,23 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
             groups[name] = {"available": False}
             continue
         spec = spec_fn(settings)
-        inputs = [t for t in spec.input_topics if t in existing]
+        inputs = [t for t in spec.input_topics if t in existing_topics]
         if spec.input_pattern:
             rx = re.compile(spec.input_pattern)
-            inputs += sorted(t for t in existing if rx.match(t) and t not in inputs)
+            inputs += sorted(t for t in existing_topics if rx.match(t) and t not in inputs)
         group = f"{settings.topics.prefix}.{spec.name}"
         lag = await group_lag(settings, group, inputs) if inputs else {}
+        info = await describe_group(settings, group)
         groups[name] = {"available": True, "group": group, "lag": lag,
-                        "total_lag": sum(lag.values())}
+                        "total_lag": sum(lag.values()), "state": info.state,
+                        "members": [{"client_id": m.client_id, "host": m.host,
+                                     "partitions": m.assignment} for m in info.members]}
     replay_prefix = f"{topics.prefix}.replay."
-    replay = sorted(t for t in existing if t.startswith(replay_prefix) and t != topics.late)
-    counts = await _offset_counts(settings, [topics.deadletter, *replay])
+    replay = sorted(t for t in existing_topics if t.startswith(replay_prefix))
+    counts = await retained_records(settings, [topics.deadletter, *replay])
     return {
         "bootstrap_servers": settings.kafka.bootstrap_servers,
+        "prefix": settings.topics.prefix,
         "processors": groups,
         "dead_letters": counts.get(topics.deadletter, 0),
         "deadletter_topic": topics.deadletter,
@@ -1064,3 +1187,153 @@ async def watchdog_explain(settings: Settings, sandbox: str, episode: str | None
         if blob is not None:
             core.restore(key, blob)
     return core.explain(sandbox, episode)
+
+
+# -- watchdog history ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WatchdogMoment:
+    """A moment of one stream's history: an alert firing, the episode's end, or the end of
+    the log (a stream still tracked there: an episode truncated, e.g. terminated)."""
+
+    what: str  # LOOP | LOOP_ENDED | STALL | episode end | end of the log
+    time_ms: int  # the event time of the event that led to it
+    seq: int
+    explanation: Any  # the watchdog core's Explanation of the stream at that moment
+    alert: dict[str, Any] | None = None  # the alert's fields (pattern, repeats, span, ...)
+    decision: str | None = None  # the decision the alert requested (TERMINATE)
+    evidence: tuple[TimelineEntry, ...] = ()  # the calls of the alert's window
+
+
+@dataclass
+class StreamHistory:
+    """What the loop rule saw in one (sandbox, episode) stream, moment by moment."""
+
+    task: str
+    sandbox: str
+    episode: str | None
+    moments: list[WatchdogMoment]
+
+    @property
+    def verdict(self) -> str:
+        loops = [m for m in self.moments if m.what == "LOOP"]
+        if not loops:
+            return "no loop"
+        return ", ".join(f"LOOP fired at seq {m.seq}" for m in loops)
+
+    def render(self) -> str:
+        rules = self.moments[0].explanation.rules if self.moments else None
+        lines = [f"sandbox {self.sandbox} episode {self.episode} (task {self.task}): "
+                 f"{self.verdict}"]
+        if rules is not None:
+            from trajbus.bus.positions import duration
+
+            lines.append(f"  the rule: fires at >= {rules.loop_min_repeats} repeats over >= "
+                         f"{duration(rules.loop_min_span_ms)} with <= "
+                         f"{rules.loop_max_distinct_results} result changes (cycles of up to "
+                         f"{rules.max_cycle_length} calls){'; DRY RUN' if rules.dry_run else ''}")
+        for m in self.moments:
+            lines.extend(_render_moment(m))
+        return "\n".join(lines)
+
+
+def _render_moment(m: WatchdogMoment) -> list[str]:
+    from trajbus.bus.positions import duration, iso
+
+    head = f"  {iso(m.time_ms)} seq {m.seq:<5} "
+    out: list[str] = []
+    if m.alert is not None:
+        a = m.alert
+        if m.what in ("LOOP", "STALL"):
+            calls = " -> ".join(p.split(":", 1)[0] for p in a.get("pattern") or [])
+            what = (f"{m.what} fired: {calls or 'a call'} repeated {a.get('repeat_count')}x over "
+                    f"{duration(a.get('span_ms') or 0)}, {a.get('distinct_results')} result "
+                    "changes" if m.what == "LOOP" else f"STALL: {humanize(a.get('reason', ''))}")
+            out.append(head + what + (f" -> {m.decision} requested" if m.decision else ""))
+        else:
+            out.append(head + f"{m.what}: {humanize(a.get('reason', ''))}")
+        if m.evidence:
+            out.append(f"      evidence: {len(m.evidence)} calls, seq {a.get('first_seq')}.."
+                       f"{a.get('last_seq')}:")
+            shown = list(m.evidence)
+            if len(shown) > 5:
+                shown = [*shown[:3], *shown[-2:]]
+            for i, e in enumerate(shown):
+                if len(m.evidence) > 5 and i == 3:
+                    out.append(f"        ... {len(m.evidence) - 5} more ...")
+                out.append(f"        #{e.seq:<5} {iso(e.time_ms)}  {humanize(e.summary)}")
+    else:
+        out.append(head + f"{m.what}: {m.explanation.verdict}")
+    ex = m.explanation
+    fired = m.what == "LOOP" and ex.loop_cycle_length
+    for c in ex.candidates:
+        if fired and c.cycle_length != ex.loop_cycle_length:
+            continue  # at the moment it fired: the window that fired
+        state = "MET" if not c.blockers else "; ".join(humanize(b) for b in c.blockers)
+        if fired:
+            state = "fired"
+        pattern = ", ".join(shorten_ids(p) for p in c.pattern)
+        out.append(f"      window of {c.cycle_length}-call cycles [{pattern}]: {c.repeat_count} "
+                   f"repeats over {duration(c.span_ms)}, {c.result_changes} result changes, "
+                   f"since seq {c.first_seq} ({c.since}) -> {state}")
+    return out
+
+
+async def watchdog_history(settings: Settings, sandbox: str, episode: str | None = None
+                           ) -> list[StreamHistory]:
+    """Re-run a fresh watchdog core over the sandbox's events (from Kafka, each episode in
+    sequence order, as the watchdog reads replay) and record, per episode, the moment each
+    alert fired (with the window that fired and the calls that are its evidence), the state
+    just before the episode's end, and, for an episode still open at the end of the log (a
+    truncated one), its last state. Sandbox-level DRAINING/RECYCLED events are left out: they
+    end every stream of the sandbox, and the timeline lists them before the episodes."""
+    from trajbus.consumers.watchdog import AlertOut, DecisionOut, WatchdogCore
+
+    entries = await read_sandbox_log(settings, sandbox, episode=episode, must_exist=True)
+    core = WatchdogCore(settings.watchdog, getattr(settings.watchdog, "per_task", None),
+                        evict_idle_ms=None)
+    histories: dict[str | None, StreamHistory] = {}
+    by_episode: dict[str | None, list[TimelineEntry]] = defaultdict(list)
+    for e in entries:
+        by_episode[e.episode].append(e)
+
+    def moment_of(e: TimelineEntry, what: str, **kw: Any) -> None:
+        found = core.explain(sandbox, e.episode)
+        if not found:
+            return
+        ex = found[0]
+        h = histories.setdefault(e.episode, StreamHistory(ex.task, sandbox, e.episode, []))
+        h.moments.append(WatchdogMoment(what, e.time_ms, e.seq, ex, **kw))
+
+    for e in entries:
+        if e.kind == "SandboxLifecycle" and e.record.get("state") in ("DRAINING", "RECYCLED"):
+            continue
+        if e.kind == "EpisodeEnd":
+            moment_of(e, "episode end")
+        outs = core.handle(e.kind, e.record)
+        decision = next((o.decision for o in outs if isinstance(o, DecisionOut)), None)
+        for o in outs:
+            if not isinstance(o, AlertOut):
+                continue
+            alert = {"pattern": list(o.pattern), "repeat_count": o.repeat_count,
+                     "span_ms": o.span_ms, "first_seq": o.first_seq, "last_seq": o.last_seq,
+                     "distinct_results": o.distinct_results, "reason": o.reason}
+            evidence = tuple(x for x in by_episode[o.episode]
+                             if x.kind == "ToolCall" and o.first_seq <= x.seq <= o.last_seq)
+            ex = core.explain(sandbox, o.episode)
+            if not ex and o.episode in histories:  # the stream ended with this alert
+                ex = [histories[o.episode].moments[-1].explanation]
+            if not ex:
+                continue
+            h = histories.setdefault(o.episode, StreamHistory(ex[0].task, sandbox, o.episode,
+                                                              []))
+            h.moments.append(WatchdogMoment(o.alert, o.event_time_ms, o.seq, ex[0], alert,
+                                            decision if o.alert == "LOOP" else None,
+                                            evidence if o.alert == "LOOP" else ()))
+    for ex in core.explain(sandbox, episode):  # still open at the end of the log
+        last = by_episode[ex.episode][-1] if by_episode[ex.episode] else None
+        h = histories.setdefault(ex.episode, StreamHistory(ex.task, sandbox, ex.episode, []))
+        h.moments.append(WatchdogMoment("end of the log (episode not ended)",
+                                        last.time_ms if last else ex.last_event_time_ms,
+                                        ex.last_seq, ex))
+    return [histories[k] for k in sorted(histories, key=lambda k: (
+        min((m.time_ms for m in histories[k].moments), default=0), k or ""))]

@@ -108,11 +108,12 @@ def register_replay(rsub: argparse._SubParsersAction) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the top-level ``status``, ``scheduler status`` and ``watchdog explain``."""
     s = sub.add_parser(
-        "status", help="processors' consumer lag, dead letters, replay topics",
-        description="Consumer lag of each processor group (reorder, watchdog, scheduler) per "
-        "input topic, the number of records on the dead-letter topic and the replay topics "
-        "with their record counts. Counts come from offsets (transaction markers included), "
-        "so they are upper bounds on transactional topics.")
+        "status", help="is a worker running; processors' lag, dead letters, replay topics",
+        description="For each processor (reorder, watchdog, scheduler): its consumer group's "
+        "live members (which worker holds which partitions; none means no worker runs it) "
+        "and its lag per input topic in records (transaction markers excluded: a caught-up "
+        "processor shows 0). Then the dead letters retained and the replay topics with their "
+        "segment counts.")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=_status)
 
@@ -136,16 +137,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     wsub = wd.add_subparsers(dest="watchdog_command", metavar="ACTION")
     we = wsub.add_parser(
         "explain", help="why the loop rule fired or not for a sandbox",
-        description="For each tracked stream (episode) of the sandbox: the loop thresholds, "
-        "and for every cycle length the current repetition window (pattern, repeats, span, "
-        "result changes) with what keeps it from firing. By default from the live state "
-        "(restored from <prefix>.watchdog.state; ended episodes are no longer tracked there); "
-        "--from-log rebuilds it from the sandbox's events instead, leaving out episode ends, "
-        "so finished episodes can be explained too.")
+        description="By default, from the live state (restored from <prefix>.watchdog.state; "
+        "ended episodes are no longer tracked there): for each tracked stream (episode), the "
+        "loop thresholds and, for every cycle length, the current repetition window (pattern, "
+        "repeats, span, result changes) with what keeps it from firing.\n\n"
+        "--from-log re-runs the watchdog over the sandbox's events and tells each episode's "
+        "story: the moment each alert fired (the window that fired and the calls that are "
+        "its evidence, the decision it requested), the loop's end, and the state just before "
+        "the episode ended (or at the end of the log, for an episode cut short).",
+        formatter_class=_RAW)
     we.add_argument("--sandbox", required=True, help="sandbox id")
     we.add_argument("--episode", default=None, help="only this episode")
     we.add_argument("--from-log", action="store_true",
-                    help="rebuild from the sandbox's events instead of the live state")
+                    help="re-run over the sandbox's events: each alert at the moment it fired")
     we.set_defaults(func=_watchdog_explain)
 
 
@@ -222,6 +226,20 @@ def _waterfall(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ranges(ps: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    ps = sorted(ps)
+    out: list[str] = []
+    i = 0
+    while i < len(ps):
+        j = i
+        while j + 1 < len(ps) and ps[j + 1] == ps[j] + 1:
+            j += 1
+        out.append(str(ps[i]) if i == j else f"{ps[i]}-{ps[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
 def _status(args: argparse.Namespace) -> int:
     from trajbus.consumers.operator import fleet_status
 
@@ -229,22 +247,40 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
-    print(f"kafka {st['bootstrap_servers']}")
-    print("processor lag (records not yet committed by the group):")
+    prefix = st["prefix"] + "."
+
+    def short(topic: str) -> str:
+        return topic.removeprefix(prefix)
+
+    print(f"kafka {st['bootstrap_servers']}, topics under {prefix}")
+    print("processors (lag: records not yet processed; transaction markers and the "
+          "processors' Ticks not counted):")
     for name, g in st["processors"].items():
         if not g["available"]:
             print(f"  {name:<10} (not built)")
             continue
-        detail = ", ".join(f"{t}={n}" for t, n in g["lag"].items()) or "no input topics yet"
-        print(f"  {name:<10} {g['total_lag']:>8}  {detail}")
-    print(f"dead letters: {st['dead_letters']} on {st['deadletter_topic']}")
+        members = g["members"]
+        alive = (f"{len(members)} live member{'s' if len(members) != 1 else ''}" if members
+                 else "NO LIVE MEMBER: no worker runs it")
+        detail = ", ".join(f"{short(t)} {n}" for t, n in g["lag"].items() if n) or (
+            "caught up" if g["lag"] else "no input topics yet")
+        print(f"  {name:<10} group {short(g['group'])} ({g['state'].lower()}): {alive}; lag "
+              f"{g['total_lag']} ({detail})")
+        for m in members:
+            parts = "; ".join(f"{short(t)} [{_ranges(ps)}]"
+                              for t, ps in sorted(m["partitions"].items()))
+            print(f"      {short(m['client_id'])} on {m['host']}: {parts or 'no partitions yet'}")
+    print(f"dead letters: {st['dead_letters']} on {short(st['deadletter_topic'])}"
+          + (" (`trajbus deadletters` for counts by stage and reason)"
+             if st["dead_letters"] else ""))
     print("replay topics:" if st["replay_topics"] else "replay topics: none")
     for t, info in st["replay_topics"].items():
-        print(f"  {t:<50} task {info['task']:<24} {info['records']} records")
+        print(f"  {short(t):<36} {info['records']} segments")
     return 0
 
 
 def _scheduler_status(args: argparse.Namespace) -> int:
+    from trajbus.bus.positions import duration, iso
     from trajbus.consumers.operator import restore_scheduler
 
     core = asyncio.run(restore_scheduler(get_settings()))
@@ -252,29 +288,46 @@ def _scheduler_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
-    print(f"scheduler time: {st['now_ms']}")
-    print("sandboxes by state: " + ", ".join(
-        f"{k}={v}" for k, v in st["sandboxes_by_state"].items()))
-    print(f"leases near expiry: {len(st['leases_expiring'])}")
+    now = st["now_ms"]
+
+    def gib(mb: float) -> str:
+        return f"{mb / 1024:.1f} GiB" if mb >= 1024 else f"{mb:g} MiB"
+
+    if not now:
+        print("scheduler time: none yet (the scheduler has processed nothing)")
+    else:
+        print(f"scheduler time: {iso(now)} (the latest event time it processed; "
+              "times below are relative to it)")
+    print("sandboxes by state: " + (", ".join(
+        f"{k} {v}" for k, v in st["sandboxes_by_state"].items() if v) or "none"))
+    print(f"leases expiring soon: {len(st['leases_expiring'])}")
     for e in st["leases_expiring"]:
-        print(f"  {e['sandbox']:<24} {e['state']:<12} node {e['node']} tenant {e['tenant']} "
-              f"remaining {e['remaining_ms']} ms")
+        left = e["remaining_ms"]
+        when = f"expires in {duration(left)}" if left >= 0 else f"EXPIRED {duration(-left)} ago"
+        print(f"  {e['sandbox']:<24} {e['state']:<12} node {e['node']} tenant {e['tenant']}: "
+              f"{when}")
     if st["draining"]:
         print(f"draining: {len(st['draining'])}")
         for d in st["draining"]:
-            print(f"  {d['sandbox']:<24} {d['reason']} grace ends {d['grace_ends_ms']} "
-                  f"drained={d['drained']} suspicious={d['suspicious']}")
-    print("queue per tenant:")
+            left = d["grace_ends_ms"] - now
+            grace = (f"grace ends in {duration(left)}" if left >= 0
+                     else f"grace ended {duration(-left)} ago")
+            print(f"  {d['sandbox']:<24} {d['reason']}; {grace}; "
+                  f"{'drained' if d['drained'] else 'not drained yet'}"
+                  + ("; SUSPICIOUS" if d["suspicious"] else ""))
+    print("tenants:" if st["queued_by_tenant"] else "tenants: none yet")
     for name, t in st["queued_by_tenant"].items():
-        print(f"  {name:<20} queued {t['queued']:<5} usage {t['usage_cpu']:g}/"
-              f"{t['limit_cpu']:g} cpu (credit {t['credit_cpu']:g})"
-              + (" DEMOTED" if t["demoted"] else ""))
-    print("nodes by headroom:")
+        print(f"  {name:<20} {t['queued']} queued; using {t['usage_cpu']:g} of "
+              f"{t['limit_cpu']:g} CPUs allowed (credit {t['credit_cpu']:g})"
+              + ("; DEMOTED" if t["demoted"] else ""))
+    print("nodes, most free first:" if st["nodes_by_headroom"] else "nodes: none reported")
     for n in st["nodes_by_headroom"]:
-        print(f"  {n['node']:<20} cpu {n['cpu_free']:g}/{n['cpu_total']:g} mem "
-              f"{n['memory_free_mb']}/{n['memory_total_mb']} MB gpu {n['gpu_free']:g}/"
-              f"{n['gpu_total']:g} sandboxes {n['sandboxes']}"
-              + ("" if n["fresh"] else " STALE"))
+        age = n.get("report_age_ms")
+        print(f"  {n['node']:<20} free: {n['cpu_free']:.1f} of {n['cpu_total']:g} CPUs, "
+              f"{gib(n['memory_free_mb'])} of {gib(n['memory_total_mb'])}, "
+              f"{n['gpu_free']:.1f} of {n['gpu_total']:g} GPUs; {n['sandboxes']} sandboxes"
+              + (f"; last report {duration(age)} earlier" if age is not None else "")
+              + ("" if n["fresh"] else " (STALE)"))
     return 0
 
 
@@ -282,9 +335,18 @@ def _watchdog_explain(args: argparse.Namespace) -> int:
     from trajbus.consumers.operator import watchdog_explain
 
     settings = get_settings()
-    found = asyncio.run(watchdog_explain(settings, args.sandbox, args.episode,
-                                         from_log=args.from_log))
-    if not found and not args.from_log:
+    if args.from_log:
+        from trajbus.consumers.operator import watchdog_history
+
+        histories = asyncio.run(watchdog_history(settings, args.sandbox, args.episode))
+        for h in histories:
+            print(h.render())
+        if not histories:
+            print(f"no tool calls of sandbox {args.sandbox}"
+                  + (f" episode {args.episode}" if args.episode else "") + " in its events")
+        return 0
+    found = asyncio.run(watchdog_explain(settings, args.sandbox, args.episode))
+    if not found:
         from trajbus.bus.errors import NotFoundError, existing
         from trajbus.consumers.operator import sandboxes_in_log
 
@@ -293,9 +355,8 @@ def _watchdog_explain(args: argparse.Namespace) -> int:
             raise NotFoundError(f"no events of sandbox {args.sandbox!r} in the Kafka topics",
                                 hint=existing("sandboxes", known))
     if not found:
-        where = "its events" if args.from_log else "the live watchdog state"
-        print(f"no tracked stream of sandbox {args.sandbox} in {where}"
-              + ("" if args.from_log else " (ended episodes: try --from-log)"))
+        print(f"no tracked stream of sandbox {args.sandbox} in the live watchdog state "
+              "(ended episodes: try --from-log)")
         return 0
     for ex in found:
         print(ex.render())

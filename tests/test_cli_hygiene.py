@@ -66,7 +66,8 @@ class Leaf:
 
     def options(self) -> Iterator[argparse.Action]:
         for a in self.parser._actions:
-            if not isinstance(a, argparse._HelpAction | argparse._VersionAction):
+            if not isinstance(a, argparse._HelpAction | argparse._VersionAction
+                              | argparse._SubParsersAction):
                 yield a
 
     def valid_argv(self, tmp: Path) -> list[str]:
@@ -103,7 +104,8 @@ def leaves() -> list[Leaf]:
 
     def walk(p: argparse.ArgumentParser, path: tuple[str, ...]) -> None:
         subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
-        if not subs:
+        runnable_alone = p.get_default("func") is not None and not any(s.required for s in subs)
+        if path and (not subs or runnable_alone):  # e.g. `trajbus deadletters`
             out.append(Leaf(path, p))
         for s in subs:
             for name, child in s.choices.items():

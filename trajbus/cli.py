@@ -9,6 +9,7 @@ import argparse
 import importlib
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -20,6 +21,7 @@ COMMAND_MODULES = (
     "trajbus.consumers.cli",
     "trajbus.archive.cli",
     "trajbus.consumers.operator_cli",
+    "trajbus.consumers.inspect_cli",
     "trajbus.demo",
 )
 
@@ -72,9 +74,25 @@ QUIET_CLIENT_LOG = frozenset({"topics", "replay", "status", "scheduler", "watchd
 EXIT_BROKEN_PIPE = 141  # what a shell reports for a tool killed by SIGPIPE (`... | head`)
 
 
+# Options that take a time, which may be written relative to now with a leading '-' (-1h).
+TIME_OPTIONS = frozenset({"--from", "--to", "--since"})
+_RELATIVE_TIME = re.compile(r"^-\d+(\.\d+)?(ms|s|m|h|d|w)$")
+
+
+def join_relative_times(argv: Sequence[str]) -> list[str]:
+    """``--from -1h`` -> ``--from=-1h``: argparse would take ``-1h`` for an option."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in TIME_OPTIONS and _RELATIVE_TIME.match(arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(join_relative_times(sys.argv[1:] if argv is None else argv))
     func = getattr(args, "func", None)
     if func is None:
         # `trajbus kafka` without a subcommand: show that command's help.

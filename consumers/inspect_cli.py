@@ -1,0 +1,301 @@
+"""Operators' reading commands: ``trajbus consume``, ``trajbus deadletters``,
+``trajbus alerts``. All read without a consumer group (nothing committed, nothing changed),
+except ``deadletters redrive``, which produces to the dead letters' source topics."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from trajbus.bus.positions import TIME_HELP, now_ms, parse_start, parse_time
+from trajbus.bus.settings import get_settings
+
+_RAW = argparse.RawDescriptionHelpFormatter
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    _register_consume(sub)
+    _register_deadletters(sub)
+    _register_alerts(sub)
+
+
+# -- consume ---------------------------------------------------------------------------------
+def _register_consume(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser(
+        "consume", help="print any trajbus topic's records, decoded (like kcat -C)",
+        formatter_class=_RAW,
+        description="Read a topic from a position and print its records decoded: raw sandbox "
+        "events and trace chunks, replay segments, watchdog alerts, scheduling decisions, "
+        "dead letters, late events. No consumer group: nothing is committed. Stops at the "
+        "end offsets of the moment it started, unless --follow. read_committed: aborted "
+        "transactional outputs are never shown. Ticks (the processors' clock records) are "
+        "left out unless --ticks.\n\n"
+        "TOPIC: a full name, a name under the prefix (sandbox.events, replay.web-shop), a "
+        "short name (events, traces, control, nodes, decisions, alerts, deadletter, late, "
+        "schemas) or a task (its replay topic).",
+        epilog="examples:\n"
+        "  trajbus consume decisions --from -1h --kind TERMINATE\n"
+        "  trajbus consume events --sandbox sb-17 --episode ep-3 --count 20\n"
+        "  trajbus consume web-shop --from end --follow           # new replay segments\n"
+        "  trajbus consume deadletter --json | jq .record.reason\n"
+        "  trajbus consume alerts --from 2026-11-30T10:00 --to 2026-11-30T11:00")
+    c.add_argument("topic", metavar="TOPIC", help="the topic (see above)")
+    c.add_argument("--from", dest="start", default="beginning", metavar="POSITION",
+                   help=f"beginning (default), end, or a time: {TIME_HELP}")
+    c.add_argument("--to", default=None, metavar="TIME",
+                   help="stop at records written after this time")
+    c.add_argument("-n", "--count", type=int, default=None, metavar="N",
+                   help="stop after N printed records")
+    c.add_argument("-f", "--follow", action="store_true",
+                   help="keep reading new records after reaching the end (Ctrl-C stops)")
+    c.add_argument("--partition", default=None, metavar="P[,P...]",
+                   help="only these partitions")
+    c.add_argument("--task", action="append", default=[], help="only this task (repeatable)")
+    c.add_argument("--sandbox", action="append", default=[],
+                   help="only this sandbox (repeatable)")
+    c.add_argument("--episode", action="append", default=[],
+                   help="only this episode (repeatable)")
+    c.add_argument("--kind", action="append", default=[],
+                   help="only records of this kind (ToolCall, ReplaySegment, ...) or label "
+                   "(a decision like TERMINATE, an alert like LOOP, a dead letter's reason "
+                   "code); repeatable, any case")
+    c.add_argument("--ticks", action="store_true", help="also show the processors' Tick records")
+    c.add_argument("--json", action="store_true",
+                   help="one JSON object per record (position, timestamp, decoded record)")
+    c.add_argument("--expand", action="store_true",
+                   help="with --json: bytes as base64 instead of '<N bytes>'")
+    c.set_defaults(func=_consume)
+
+
+def _consume(args: argparse.Namespace) -> int:
+    from trajbus.bus.inventory import topic_names
+    from trajbus.bus.kafka import check_broker
+    from trajbus.consumers.consume import RecordFilter, consume, parse_partitions, resolve_topic
+
+    settings = get_settings()
+    start = parse_start(args.start)
+    if start == "resume":
+        raise ValueError("--from resume needs a consumer group; consume reads without one: "
+                         "use beginning, end or a time")
+    until = parse_time(args.to) if args.to else None
+    partitions = parse_partitions(args.partition)
+    filt = RecordFilter.of(args.task, args.sandbox, args.episode, args.kind, args.ticks)
+    if args.count is not None and args.count <= 0:
+        raise ValueError("--count must be a positive number")
+
+    async def run() -> tuple[str, int]:
+        await check_broker(settings.kafka)
+        topic = resolve_topic(settings, args.topic, await topic_names(settings))
+        shown = 0
+        async for rec in consume(settings, topic, start, follow=args.follow,
+                                 partitions=partitions):
+            if until is not None and rec.timestamp_ms > until:
+                continue
+            if not rec.matches(filt):
+                continue
+            print(json.dumps(rec.to_dict(args.expand)) if args.json else rec.line(),
+                  flush=args.follow)
+            shown += 1
+            if args.count is not None and shown >= args.count:
+                break
+        return topic, shown
+
+    topic, shown = asyncio.run(run())
+    if not args.json:
+        print(f"{shown} record(s) from {topic}", file=sys.stderr)
+    return 0
+
+
+# -- deadletters -----------------------------------------------------------------------------
+def _register_deadletters(sub: argparse._SubParsersAction) -> None:
+    d = sub.add_parser(
+        "deadletters", help="what the processors refused: counts, list, inspect, re-drive",
+        formatter_class=_RAW,
+        description="The dead-letter topic (<prefix>.deadletter): input a processor or the "
+        "archiver could not accept, with the stage, reason, source position and the original "
+        "bytes. Without an action: counts by stage and reason.",
+        epilog="examples:\n"
+        "  trajbus deadletters                                  # counts by stage and reason\n"
+        "  trajbus deadletters list --reason conflicting_duplicate\n"
+        "  trajbus deadletters show 3f2a9c1e                    # one, decoded\n"
+        "  trajbus deadletters redrive --reason too_many_open_episodes --dry-run")
+    d.add_argument("--json", action="store_true", help="the counts as one JSON object")
+    d.set_defaults(func=_dl_counts, help_parser=d)
+    dsub = d.add_subparsers(dest="deadletters_command", metavar="ACTION")
+
+    def selection(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--stage", action="append", default=[],
+                       help="only this stage: reorder, watchdog, scheduler, archiver "
+                       "(repeatable)")
+        p.add_argument("--reason", action="append", default=[], metavar="CODE",
+                       help="only this reason code, e.g. conflicting_duplicate (repeatable)")
+        p.add_argument("--task", action="append", default=[],
+                       help="only this task (repeatable)")
+        p.add_argument("--sandbox", action="append", default=[],
+                       help="only this sandbox (repeatable)")
+        p.add_argument("--since", default=None, metavar="TIME",
+                       help=f"only dead letters since this time: {TIME_HELP}")
+
+    lst = dsub.add_parser("list", help="one line per dead letter (oldest first)",
+                          description="One line per dead letter: short id, time, stage/reason, "
+                          "source position, task, sandbox/episode and the reason.")
+    selection(lst)
+    lst.add_argument("--json", action="store_true", help="one JSON object per dead letter")
+    lst.add_argument("-n", "--count", type=int, default=None, metavar="N",
+                     help="only the latest N")
+    lst.set_defaults(func=_dl_list)
+
+    show = dsub.add_parser(
+        "show", help="one dead letter whole: reason, source, original bytes decoded",
+        description="Everything about one dead letter: reason, stage, source topic/partition/"
+        "offset, the original key, the original record decoded (when it decodes; else its "
+        "first bytes) and, for a conflicting duplicate, the version that was kept.")
+    show.add_argument("id", help="the dead letter's id, or its first characters (at least 4)")
+    show.add_argument("--json", action="store_true", help="as one JSON object")
+    show.add_argument("--expand", action="store_true",
+                      help="with --json: bytes as base64 instead of '<N bytes>'")
+    show.set_defaults(func=_dl_show)
+
+    rd = dsub.add_parser(
+        "redrive", help="send dead letters back to their source topic after a fix",
+        formatter_class=_RAW,
+        description="Produce each selected dead letter's original key and bytes to its source "
+        "topic and partition again, so the processors take it once more (after the cause was "
+        "fixed). Idempotent: the processors drop events they already applied, so re-driving "
+        "twice changes nothing. Refuses dead letters whose bytes were truncated (the reason "
+        "says where the whole record is). Select by id, by --stage/--reason/--task/--sandbox/"
+        "--since, or --all.")
+    rd.add_argument("ids", nargs="*", metavar="ID", help="dead letter ids (or prefixes)")
+    selection(rd)
+    rd.add_argument("--all", action="store_true", help="every dead letter matching the filters "
+                    "(required when no id and no filter is given)")
+    rd.add_argument("--dry-run", action="store_true", help="list what would be re-driven")
+    rd.set_defaults(func=_dl_redrive)
+
+
+def _dl_read(args: argparse.Namespace) -> list[Any]:
+    from trajbus.consumers.deadletters import read_dead_letters, select
+
+    dls = asyncio.run(read_dead_letters(get_settings()))
+    if not hasattr(args, "stage"):
+        return dls
+    since = parse_time(args.since) if args.since else None
+    return select(dls, stages=args.stage, reasons=args.reason, tasks=args.task,
+                  sandboxes=args.sandbox, since_ms=since)
+
+
+def _dl_counts(args: argparse.Namespace) -> int:
+    from trajbus.bus.topics import Topics
+    from trajbus.consumers.deadletters import counts, stage_reason_table
+
+    dls = _dl_read(args)
+    rows = counts(dls)
+    topic = Topics(get_settings()).deadletter
+    if args.json:
+        print(json.dumps({"topic": topic, "total": len(dls), "by_stage_and_reason": [
+            {"stage": c.stage, "reason_code": c.reason_code, "count": c.count,
+             "first_ms": c.first_ms, "last_ms": c.last_ms, "latest_id": c.example}
+            for c in rows]}, indent=2))
+        return 0
+    print(f"{len(dls)} dead letter(s) on {topic}")
+    for line in stage_reason_table(rows):
+        print(line)
+    if dls:
+        print("more: `trajbus deadletters list [--reason CODE]`, `trajbus deadletters show ID`")
+    return 0
+
+
+def _dl_list(args: argparse.Namespace) -> int:
+    dls = _dl_read(args)
+    if args.count is not None:
+        dls = dls[-args.count:] if args.count > 0 else []
+    for d in dls:
+        print(json.dumps(d.to_dict()) if args.json else d.line())
+    if not args.json:
+        print(f"{len(dls)} dead letter(s)", file=sys.stderr)
+    return 0
+
+
+def _dl_show(args: argparse.Namespace) -> int:
+    from trajbus.consumers.deadletters import find
+
+    d = find(_dl_read(args), args.id)
+    print(json.dumps(d.to_dict(args.expand), indent=2) if args.json else d.render())
+    return 0
+
+
+def _dl_redrive(args: argparse.Namespace) -> int:
+    from trajbus.bus.errors import UserError
+    from trajbus.consumers.deadletters import find, redrive
+
+    filtered = bool(args.stage or args.reason or args.task or args.sandbox or args.since)
+    if not (args.ids or filtered or args.all):
+        raise UserError("select the dead letters to re-drive: ids, --stage/--reason/--task/"
+                        "--sandbox/--since, or --all",
+                        hint="`trajbus deadletters list` shows them; try --dry-run first")
+    dls = _dl_read(args)
+    if args.ids:
+        dls = list({d.event_id: d for d in (find(dls, i) for i in args.ids)}.values())
+    done = asyncio.run(redrive(get_settings(), dls, dry_run=args.dry_run))
+    for r in done:
+        where = f"{r.topic} p{r.partition}" + (f"@{r.offset}" if r.offset >= 0 else "")
+        print(f"{'would re-drive' if args.dry_run else 're-drove'} {r.dead_letter.short_id} "
+              f"({r.dead_letter.stage}/{r.dead_letter.reason_code}) -> {where}")
+    print(f"{len(done)} dead letter(s) {'would be ' if args.dry_run else ''}re-driven",
+          file=sys.stderr)
+    return 0
+
+
+# -- alerts ----------------------------------------------------------------------------------
+def _register_alerts(sub: argparse._SubParsersAction) -> None:
+    from trajbus.consumers.alerts import DEFAULT_KINDS
+
+    a = sub.add_parser(
+        "alerts", help="recent loops, terminations, anomalies, reclaims, recycles with loss",
+        formatter_class=_RAW,
+        description="The watchdog's alerts and the scheduler's decisions written since a "
+        "time: which sandboxes looped, stalled, were terminated, reclaimed or recycled with "
+        "loss, or raised an anomaly -- when, in which task, and why. Default kinds: "
+        f"{', '.join(DEFAULT_KINDS)}.",
+        epilog="examples:\n"
+        "  trajbus alerts --since 1h\n"
+        "  trajbus alerts --since 2026-11-30T10:00 --kind TERMINATE --task web-shop\n"
+        "  trajbus alerts --since 1d --kind DRAIN --kind RECYCLE --json")
+    a.add_argument("--since", default="1h", metavar="TIME",
+                   help=f"how far back (default 1h): {TIME_HELP}")
+    a.add_argument("--kind", action="append", default=[],
+                   help="only these alert/decision kinds (repeatable; any alert or decision "
+                   "kind, e.g. PLACE, DRAIN)")
+    a.add_argument("--task", action="append", default=[], help="only this task (repeatable)")
+    a.add_argument("--sandbox", action="append", default=[],
+                   help="only this sandbox (repeatable)")
+    a.add_argument("--json", action="store_true", help="one JSON object per line")
+    a.set_defaults(func=_alerts)
+
+
+def _alerts(args: argparse.Namespace) -> int:
+    from trajbus.consumers.alerts import DEFAULT_KINDS, happenings, headline
+    from trajbus.schemas.models import AlertKind, DecisionKind
+
+    known = {k.value for k in AlertKind} | {k.value for k in DecisionKind}
+    kinds = [k.upper() for k in args.kind] or list(DEFAULT_KINDS)
+    unknown = sorted(set(kinds) - known)
+    if unknown:
+        raise ValueError(f"unknown kind {unknown[0]!r}; alert and decision kinds: "
+                         f"{', '.join(sorted(known))}")
+    since = parse_time(args.since)
+    now = now_ms()
+    items = asyncio.run(happenings(get_settings(), since, kinds, args.sandbox, args.task))
+    if args.json:
+        for h in items:
+            print(json.dumps(h.to_dict()))
+        return 0
+    from trajbus.bus.positions import ago, iso
+
+    print(f"since {iso(since)} ({ago(since, now)}): {headline(items, kinds)}")
+    for h in items:
+        print(h.line(now))
+    return 0
