@@ -1,5 +1,6 @@
 """Scale-out of the reorder processor: two workers in one consumer group split the input
-partitions, and together deliver every episode of a backlog in order, exactly once.
+partitions (co-partitioned: partition p of both input topics to the same worker), and together
+deliver every episode of a backlog, spread over both topics, in order, exactly once.
 
 Speed-up is asserted only on a machine with room for it (>= 4 cores): the broker, the test's
 producer/consumer and two workers share this project's 2-core CI machine, where one worker
@@ -36,16 +37,29 @@ RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 Episodes = dict[tuple[str, str], list[bytes]]
 
 
-async def _drain_backlog(settings: Settings, name: str, workers: list[Worker],
+async def _all_assigned(logs: list[Path], timeout: float = 90) -> None:
+    """Wait until every worker logged the restore of its first assignment (incremental
+    rebalancing moves partitions to a joining member in a second round)."""
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() and "for partitions" in p.read_text(errors="replace")
+                  for p in logs):
+        if time.monotonic() > deadline:
+            raise TimeoutError("not every worker was given partitions: "
+                               + " | ".join(p.read_text(errors="replace")[-500:]
+                                            for p in logs if p.exists()))
+        await asyncio.sleep(0.2)
+
+
+async def _drain_backlog(settings: Settings, name: str, produce_backlog: Any,
                          expected: Episodes) -> tuple[float, Episodes]:
-    """Start the workers on the backlog; seconds until the trainer holds every episode."""
+    """Produce the backlog to the running workers; seconds until the trainer holds every
+    episode."""
     got: Episodes = {}
     codec = default_codec()
     async with ReplayClient(["task-a"], f"{name}-trainer", settings,
                             max_in_flight=100_000) as client:
         t0 = time.monotonic()
-        for w in workers:
-            w.start()
+        await produce_backlog()
 
         async def loop() -> None:
             async for ep in client.episodes():
@@ -66,13 +80,24 @@ async def _run(kafka_broker: Any, unique_name: str, tmp_path: Path, n_workers: i
     settings = settings_for(kafka_broker.bootstrap, prefix, partitions=PARTITIONS)
     await ensure_base_topics(settings, ["task-a"])
     eps = make_episodes(EPISODES, seed=7, steps=8)
-    await produce(settings, Topics(settings).sandbox_events,
-                  shuffled_with_duplicates(eps, 7, dup_rate=0.05))
     logs = [tmp_path / f"{prefix}-w{i}.log" for i in range(n_workers)]
     workers = [Worker(settings, "reorder", worker_id=f"w{i}", log_path=logs[i])
                for i in range(n_workers)]
+
+    async def backlog() -> None:
+        # Half of the records on the trace-chunk topic: an episode's records arrive on
+        # partition p of both input topics, and only a worker that owns partition p of both
+        # (co-partitioned assignment) sees the whole episode.
+        items = shuffled_with_duplicates(eps, 7, dup_rate=0.05)
+        topics = Topics(settings)
+        await produce(settings, topics.sandbox_events, items[0::2])
+        await produce(settings, topics.trace_chunks, items[1::2])
+
     try:
-        took, got = await _drain_backlog(settings, prefix, workers,
+        for w in workers:
+            w.start()
+        await _all_assigned(logs)
+        took, got = await _drain_backlog(settings, prefix, backlog,
                                          {(e.sandbox, e.episode): e.events for e in eps})
     finally:
         for w in workers:
