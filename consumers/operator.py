@@ -341,24 +341,9 @@ async def topic_partitions(settings: Settings, topics: Sequence[str] | None = No
     """Partitions of the existing topics among ``topics`` (all topics when None) plus those
     whose name fully matches ``pattern``. Uses the admin client: a bare consumer has no
     metadata for topics it is not subscribed to."""
-    from aiokafka.admin import AIOKafkaAdminClient
+    from trajbus.bus.inventory import partitions_of
 
-    admin = AIOKafkaAdminClient(**connection_options(settings.kafka),
-                                client_id=f"{settings.kafka.client_id}-operator")
-    await admin.start()
-    try:
-        existing = set(await admin.list_topics())
-        names = list(existing) if topics is None else [t for t in topics if t in existing]
-        if pattern:
-            rx = re.compile(pattern)
-            names += [t for t in sorted(existing) if rx.fullmatch(t) and t not in names]
-        if not names:
-            return {}
-        desc = await admin.describe_topics(names)
-    finally:
-        await admin.close()
-    return {d["topic"]: sorted(p["partition"] for p in d["partitions"])
-            for d in desc if d.get("error_code", 0) == 0}
+    return await partitions_of(settings, topics, pattern)
 
 
 async def group_offsets(settings: Settings, group: str) -> dict[TopicPartition, int]:
