@@ -76,6 +76,10 @@ class Faults:
     restart_broker_after_s: float | None = None
     restart_broker: Callable[[], Awaitable[None]] | None = None  # stops and restarts it
     log: list[str] = field(default_factory=list)  # what was injected, when
+    # A worker (re)started while the broker is down exits at once by design (fail fast at
+    # start-up); the run supervises it as a deployment would, restarting it after such an
+    # exit. Any other exit is a failure of the run.
+    unexpected_exits: list[str] = field(default_factory=list)
 
 
 async def run_pipeline(settings: Settings, sandboxes: int, episodes: int, seed: int, *,
@@ -109,6 +113,8 @@ async def run_pipeline(settings: Settings, sandboxes: int, episodes: int, seed: 
     live = asyncio.create_task(_live(view, started, stop))
     chaos = asyncio.create_task(_inject(settings, faults, workers, worker_log)) \
         if faults is not None else None
+    supervisor = asyncio.create_task(_supervise(settings, faults, workers, worker_log, stop)) \
+        if faults is not None else None
     try:
         manifest = await simulate(
             settings, sandboxes=sandboxes, episodes=episodes, seed=seed,
@@ -135,10 +141,10 @@ async def run_pipeline(settings: Settings, sandboxes: int, episodes: int, seed: 
             await asyncio.sleep(0.5)
     finally:
         stop.set()
-        for t in [*watchers, live, *([chaos] if chaos is not None else [])]:
+        extra = [t for t in (chaos, supervisor) if t is not None]
+        for t in [*watchers, live, *extra]:
             t.cancel()
-        await asyncio.gather(*watchers, live, *([chaos] if chaos is not None else []),
-                             return_exceptions=True)
+        await asyncio.gather(*watchers, live, *extra, return_exceptions=True)
         for worker in workers:
             worker.terminate()
             try:
@@ -156,6 +162,32 @@ async def run_pipeline(settings: Settings, sandboxes: int, episodes: int, seed: 
 
 def _recycled(decisions: list[str]) -> bool:
     return "RECYCLE" in decisions or "RECYCLE_WITH_LOSS" in decisions
+
+
+async def _supervise(settings: Settings, faults: Faults,
+                     workers: list[subprocess.Popen[bytes]], worker_log: Path,
+                     stop: asyncio.Event) -> None:
+    """Restart the worker after it exited at start-up because the broker was down (what a
+    process supervisor does); record any other exit as unexpected (the run then fails)."""
+    t0 = time.monotonic()
+    while not stop.is_set():
+        await asyncio.sleep(0.5)
+        current = workers[-1]
+        code = current.poll()
+        if code is None or code == -9:  # running, or the SIGKILL that _inject is handling
+            continue
+        tail = worker_log.read_text(errors="replace")[-600:].strip()
+        last = tail.splitlines()[-1] if tail else ""
+        if "did not answer" in last:  # check_broker's fail-fast message
+            await asyncio.sleep(1.0)
+            workers.append(_start_worker(settings, worker_log))
+            faults.log.append(f"{time.monotonic() - t0:.1f}s: worker pid {current.pid} exited "
+                              f"at start-up (broker down), restarted as pid {workers[-1].pid}")
+            _say(faults.log[-1])
+        else:
+            faults.unexpected_exits.append(f"worker pid {current.pid} exited with code "
+                                           f"{code}: {tail.strip()[-300:]}")
+            return
 
 
 async def _inject(settings: Settings, faults: Faults, workers: list[subprocess.Popen[bytes]],
@@ -386,6 +418,8 @@ def _summary(expected: dict[tuple[str, str, str], Any], manifest: Any, view: Vie
     # The replay topics themselves: once each, gaps only where a seq is really missing.
     if replay.error is not None:
         problems.append(f"reading the replay topics failed: {replay.error}")
+    for exit_ in faults.unexpected_exits if faults is not None else []:
+        problems.append(f"unexpected worker exit: {exit_}")
     twice = false_gaps = 0
     for (_task, sandbox, episode), rec in sorted(expected.items()):
         seen = replay.seqs.get((sandbox, episode), Counter())
