@@ -30,7 +30,7 @@ browser:
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	@touch $(STAMP)
 
 jars: $(STAMP)

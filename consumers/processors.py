@@ -427,7 +427,6 @@ def scheduler_spec(settings: Settings) -> ProcessorSpec:
         name="scheduler",
         input_topics=[topics.control, topics.nodes, topics.sandbox_events, topics.alerts],
         input_pattern=replay_topics_pattern(topics),
-        subscribe_pattern=replay_topics_subscription(topics),
         factory=lambda: SchedulerProcessor(settings),
         global_state=True,
         # Decisions depend on how its topics interleave: merge them by record timestamp, the
@@ -505,12 +504,6 @@ def replay_topics_pattern(topics: Topics) -> str:
     return re.escape(f"{topics.prefix}.replay.") + r"(?!debug-)[^.]+$"
 
 
-def replay_topics_subscription(topics: Topics) -> str:
-    """The replay topics as a librdkafka subscription regex (no lookarounds there): debug
-    republications match too, and the runner skips them with :func:`replay_topics_pattern`."""
-    return "^" + topics.prefix.replace(".", r"\.") + r"\.replay\.[^.]+$"
-
-
 def watchdog_spec(settings: Settings) -> ProcessorSpec:
     topics = Topics(settings)
     ticks = f"{topics.prefix}.watchdog.ticks"
@@ -518,7 +511,6 @@ def watchdog_spec(settings: Settings) -> ProcessorSpec:
         name="watchdog",
         input_topics=[ticks],
         input_pattern=replay_topics_pattern(topics),
-        subscribe_pattern=replay_topics_subscription(topics),
         tick_topics=[ticks],
         factory=lambda: WatchdogProcessor(settings),
     )
