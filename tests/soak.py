@@ -55,6 +55,27 @@ class RunResult:
     output_tail: str = ""
 
 
+async def broker_ready(settings: Settings, timeout: float = 180.0) -> None:
+    """Wait until the (re)started broker serves an idempotent producer. A broker that has just
+    started on a saturated box can take longer than the clients' 10 s fail-fast to hand out a
+    producer id (its transaction-state topic is created on first use); the harness, like a
+    deployment's readiness probe, waits for that before the next run."""
+    from trajbus.bus.kafka import BrokerUnavailableError
+    from trajbus.bus.producer import close_producer, get_producer
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await get_producer(settings.kafka)
+            return
+        except BrokerUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(1.0)
+        finally:
+            await close_producer()
+
+
 @contextlib.contextmanager
 def cpu_hogs(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
     """``n`` processes spinning on a core each, for the duration."""
@@ -127,7 +148,9 @@ async def _soak(args: argparse.Namespace) -> int:
           f"{args.episodes} episodes, {args.hogs} CPU hogs, broker on {broker.bootstrap}",
           flush=True)
     broker.start(timeout=120)
-    settings = Settings(kafka=KafkaSettings(bootstrap_servers=broker.bootstrap),
+    # the in-process clients (fleet, trainer, archiver) give a loaded broker 30 s, not 10 s
+    settings = Settings(kafka=KafkaSettings(bootstrap_servers=broker.bootstrap,
+                                            connect_timeout_s=30.0),
                         topics=TopicSettings(prefix="soak"),
                         archive=ArchiveSettings(url=str(work / "archive"),
                                                 spool_dir=str(work / "spool")))
@@ -140,6 +163,7 @@ async def _soak(args: argparse.Namespace) -> int:
                 if i > 0 and not restart_mid_run:
                     await asyncio.to_thread(broker.restart, 120)
                     restarted_before = True
+                await broker_ready(settings)
                 seed = seed0 + i
                 print(f"[soak] run {i + 1}/{args.runs} (seed {seed}): worker SIGKILL mid-run"
                       + (", broker restart mid-run" if restart_mid_run else "")
