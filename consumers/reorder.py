@@ -405,8 +405,10 @@ class ReorderCore:
             if type(t) is int:
                 if t > self._clock and self._event_clock:
                     self._clock = t
-                now = self._now = (log_t if type(log_t) is int and log_t > self._clock
-                                   else self._clock)
+                clock = self._clock
+                # the arrival time (module docstring); a non-int log time raises below and
+                # the event becomes a dead letter
+                now = log_t if log_t > clock else clock
                 ep = self._eps.get((sandbox, episode))  # type: ignore[arg-type]
                 # Fast path: the next expected event of an open episode with nothing buffered.
                 if (
@@ -450,6 +452,7 @@ class ReorderCore:
                 ):
                     buf = ep.buf
                     n = len(raw)
+                    self._now = now  # the drain / buffer below may (re)arm a stall timer
                     if seq == ep.next_seq:  # (buf is not None: else the fast path took it)
                         self._c["events"] += 1
                         ep.active = now
@@ -480,6 +483,7 @@ class ReorderCore:
                         if self._clock >= self._next_due:
                             self._fire(out)
                         return out
+                self._now = now
             else:
                 ep = None
                 self._now = self._clock
