@@ -103,7 +103,8 @@ class ArchiveShell:
         self.store = store
         self.codec = codec or default_codec()
         self.batcher = ArchiveBatcher(cfg.target_object_bytes, cfg.max_open_ms)
-        self.writer = ArchiveWriter(store, row_group_rows=cfg.row_group_rows)
+        self.writer = ArchiveWriter(store, row_group_rows=cfg.row_group_rows,
+                                    write_threads=cfg.write_threads)
         self.spool_dir = Path(spool_dir or cfg.spool_dir)
         clear_spool_dir(self.spool_dir)
         self._spools: dict[tuple[str, int], Spool] = {}
@@ -113,6 +114,7 @@ class ArchiveShell:
         self.rows = 0
         self.duplicates = 0  # re-sent copies dropped
         self.conflicts = 0  # conflicting copies sent to conflicts/
+        self._valid_names: set[tuple[str, str]] = set()  # (task, sandbox) pairs validated
 
     def _spool(self, topic: str, partition: int, conflicts: bool = False) -> Spool:
         tp = (topic, partition)
@@ -125,50 +127,60 @@ class ArchiveShell:
 
     def process(self, records: Iterable[SourceRecord]) -> StepResult:
         out = StepResult()
+        batcher, dedupe = self.batcher, self.dedupe
+        valid_names = self._valid_names
         for rec in records:
             value = rec.value or b""
+            topic, partition, offset = rec.topic, rec.partition, rec.offset
             try:
                 decoded = decode_as_written(self.codec, value)
                 h = decoded.header
                 if decoded.kind == "Tick":  # processors' clock marks, not sandbox data
-                    self._run(self.batcher.skip(rec.topic, rec.partition, rec.offset), out)
+                    self._run(batcher.skip(topic, partition, offset), out)
                     continue
-                validate_name("task", h["task"])
-                validate_name("sandbox", h["sandbox"])
+                task, sandbox = h["task"], h["sandbox"]
+                if (task, sandbox) not in valid_names:
+                    validate_name("task", task)
+                    validate_name("sandbox", sandbox)
+                    if len(valid_names) >= 100_000:
+                        valid_names.clear()
+                    valid_names.add((task, sandbox))
             except DecodeError as exc:
-                out.rejected.append(Rejected(rec.topic, rec.partition, rec.offset, rec.key,
+                out.rejected.append(Rejected(topic, partition, offset, rec.key,
                                              value, exc.reason_code, str(exc)))
-                self._run(self.batcher.skip(rec.topic, rec.partition, rec.offset), out)
+                self._run(batcher.skip(topic, partition, offset), out)
                 continue
             except (ValueError, KeyError, TypeError) as exc:
-                out.rejected.append(Rejected(rec.topic, rec.partition, rec.offset, rec.key,
+                out.rejected.append(Rejected(topic, partition, offset, rec.key,
                                              value, "invalid_header", f"{type(exc).__name__}: "
                                              f"{exc}"))
-                self._run(self.batcher.skip(rec.topic, rec.partition, rec.offset), out)
+                self._run(batcher.skip(topic, partition, offset), out)
                 continue
             t = int(h["event_time_ms"])
             digest = content_digest(value)
-            verdict = self.dedupe.check(rec.topic, rec.partition, rec.offset, h["task"],
-                                        h["sandbox"], h.get("episode"), int(h["seq"]), digest, t)
+            verdict = dedupe.check(topic, partition, offset, task, sandbox, h.get("episode"),
+                                   int(h["seq"]), digest, t)
             if verdict is Verdict.DUPLICATE:  # a re-sent copy: archived once already
                 self.duplicates += 1
-                self._run(self.batcher.skip(rec.topic, rec.partition, rec.offset), out)
+                self._run(batcher.skip(topic, partition, offset), out)
                 continue
-            row = decoded_to_row(decoded, rec.topic, rec.partition, rec.offset)
+            row = decoded_to_row(decoded, topic, partition, offset)
             row["event_digest"] = to_signed(digest)
             if verdict is Verdict.CONFLICT:  # kept out of events/, written to conflicts/
                 self.conflicts += 1
-                self._spool(rec.topic, rec.partition, conflicts=True).append(row)
-                self._run(self.batcher.skip(rec.topic, rec.partition, rec.offset), out)
+                self._spool(topic, partition, conflicts=True).append(row)
+                self._run(batcher.skip(topic, partition, offset), out)
                 continue
             nbytes = row_nbytes(row)
-            self._spool(rec.topic, rec.partition).append(row, nbytes)
+            self._spool(topic, partition).append(row, nbytes)
             self.rows += 1
-            self._run(self.batcher.add(rec.topic, rec.partition, rec.offset, t, nbytes), out)
+            flushes = batcher.add(topic, partition, offset, t, nbytes)
+            if flushes:
+                self._run(flushes, out)
             if self.watermark_ms is None or t > self.watermark_ms:
                 self.watermark_ms = t
         if self.watermark_ms is not None:
-            self._run(self.batcher.tick(self.watermark_ms), out)
+            self._run(batcher.tick(self.watermark_ms), out)
         return out
 
     def flush_all(self) -> StepResult:
@@ -210,6 +222,10 @@ class ArchiveShell:
     def committed(self, results: list[BatchResult]) -> None:
         for r in results:
             self.writer.clear_marker(r)
+
+    def close(self) -> None:
+        """Stop the writer's threads (between batches nothing is pending)."""
+        self.writer.close()
 
 
 def archiver_group(prefix: str, url: str) -> str:
@@ -459,4 +475,5 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
             await consumer.stop()
         finally:
             executor.shutdown(wait=True)
+            shell.close()
     return stats

@@ -36,6 +36,7 @@ two archiver processes at the same moment.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections import OrderedDict
@@ -74,6 +75,7 @@ def from_signed(value: int) -> int:
     return value + (1 << 64) if value < 0 else value
 
 
+@functools.lru_cache(maxsize=4096)
 def day_name(day: int) -> str:
     return datetime.fromtimestamp(day * 86_400, tz=UTC).strftime("%Y-%m-%d")
 

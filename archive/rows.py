@@ -23,12 +23,13 @@ from __future__ import annotations
 import base64
 import io
 import json
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from fastavro import parse_schema, schemaless_reader
+from fastavro import schemaless_reader
 
 from trajbus.schemas.codec import HEADER_LEN, Codec, CorruptBodyError, Decoded
 
@@ -116,20 +117,13 @@ def _unjson(value: Any) -> Any:
     return value
 
 
-def _typed(name: str, value: Any) -> Any:
-    """Coerce a value for a typed column, or return the sentinel ``_MISFIT`` to keep it JSON."""
-    if value is None:
-        return None
-    if name in _INT_TYPES:
-        return value if isinstance(value, int) and not isinstance(value, bool) else _MISFIT
-    if name in _FLOAT_TYPES:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return _MISFIT
-        return float(value)
-    return value if isinstance(value, str) else _MISFIT
-
-
-_MISFIT = object()
+# Per typed column, the one test its value must pass ("s" str, "i" int but not bool, "f" int or
+# float but not bool); a value that fails stays in payload_json.
+_TYPED_TEST: dict[str, str] = {
+    n: "i" if n in _INT_TYPES else "f" if n in _FLOAT_TYPES else "s" for n in _TYPED
+}
+_HEADER_SET = frozenset(_HEADER_NAMES)
+_EMPTY_ROW: Row = dict.fromkeys(COLUMNS)
 
 
 def to_row(kind: str, record: Mapping[str, Any], topic: str, partition: int,
@@ -137,24 +131,41 @@ def to_row(kind: str, record: Mapping[str, Any], topic: str, partition: int,
     """Flatten one decoded record (``{"header": {...}, ...}``) into an archive row.
 
     Unknown fields (a newer schema) and fields whose type does not fit their typed column go
-    to ``payload_json``; the row always has exactly :data:`COLUMNS`.
+    to ``payload_json``; the row always has exactly :data:`COLUMNS`. (Hot path: one dict copy
+    and one pass over the record's fields.)
     """
     header = record["header"]
-    row: Row = {n: header.get(n) for n in _HEADER_NAMES}
-    row["event_time"] = None  # derived from event_time_ms in rows_to_table
+    row = _EMPTY_ROW.copy()  # every column present, None until set
+    extra_header: dict[str, Any] | None = None
+    if header.keys() <= _HEADER_SET:
+        row.update(header)
+    else:  # header fields a newer envelope added are kept in payload_json
+        for n in _HEADER_NAMES:
+            row[n] = header.get(n)
+        extra_header = {k: v for k, v in header.items() if k not in _HEADER_SET}
     row["kind"] = kind
-    for name in _TYPED:
-        row[name] = None
     rest: dict[str, Any] = {}
     data: bytes | None = None
     blob_uri: str | None = None
     for name, value in record.items():
         if name == "header":
             continue
-        if name in _TYPED:
-            v = _typed(name, value)
-            if v is not _MISFIT:
-                row[name] = v
+        test = _TYPED_TEST.get(name)
+        if test is not None:
+            if value is None:
+                continue
+            if test == "s":
+                if isinstance(value, str):
+                    row[name] = value
+                    continue
+            elif isinstance(value, bool):
+                pass
+            elif test == "i":
+                if isinstance(value, int):
+                    row[name] = value
+                    continue
+            elif isinstance(value, int | float):
+                row[name] = float(value)
                 continue
         if kind == "TraceChunk" and name == "data" and isinstance(value, bytes | bytearray):
             data = bytes(value)
@@ -162,36 +173,24 @@ def to_row(kind: str, record: Mapping[str, Any], topic: str, partition: int,
         if name == "blob" and isinstance(value, Mapping) and isinstance(value.get("uri"), str):
             blob_uri = value["uri"]
         rest[name] = value
-    # Header fields a newer envelope might add are kept too.
-    extra_header = {k: v for k, v in header.items() if k not in _HEADER_NAMES}
     if extra_header:
         rest["$header"] = extra_header
-    row["payload_json"] = (
-        json.dumps(_jsonable(rest), sort_keys=True, separators=(",", ":"), default=str)
-        if rest else None
-    )
+    if rest:
+        row["payload_json"] = json.dumps(_jsonable(rest), sort_keys=True,
+                                         separators=(",", ":"), default=str)
     row["data"] = data
     row["blob_uri"] = blob_uri
-    row["event_digest"] = None
     row["kafka_topic"] = topic
     row["kafka_partition"] = partition
     row["kafka_offset"] = offset
     return row
 
 
-_READ_SCHEMAS: dict[bytes, Any] = {}
-
-
 def decode_as_written(codec: Codec, data: bytes) -> Decoded:
     """Decode with the *writer's* schema only, so the archive keeps every field the producer
     wrote (a newer producer's extra fields included; :meth:`Codec.decode` would project them
     away onto this version's reader schema). Raises the codec's ``DecodeError`` subclasses."""
-    writer = codec.writer_of(data)
-    parsed = _READ_SCHEMAS.get(writer.fingerprint)
-    if parsed is None:
-        # Parsed *with* fastavro's marker, so schemaless_reader does not re-parse the schema
-        # on every call (the registry's copies are parsed without it: ~2x slower decoding).
-        parsed = _READ_SCHEMAS[writer.fingerprint] = parse_schema(writer.parsed)
+    writer, parsed = codec.writer_runtime(data)  # raises bad magic / unknown schema
     buf = io.BytesIO(data)
     buf.seek(HEADER_LEN)
     try:
@@ -210,17 +209,17 @@ def decoded_to_row(decoded: Decoded, topic: str, partition: int, offset: int) ->
     return to_row(decoded.kind, decoded.record, topic, partition, offset)
 
 
+_SIZED = operator.itemgetter("event_id", "task", "sandbox", "episode", "producer_id",
+                             "payload_json", "sha256", "args_hash", "result_hash", "tool",
+                             "call_id", "reason", "data")
+
+
 def row_nbytes(row: Row) -> int:
     """Approximate in-memory (uncompressed) size of a row, for batching decisions."""
     n = _ROW_OVERHEAD
-    for name in ("event_id", "task", "sandbox", "episode", "producer_id", "payload_json",
-                 "sha256", "args_hash", "result_hash", "tool", "call_id", "reason"):
-        v = row.get(name)
+    for v in _SIZED(row):
         if v is not None:
             n += len(v)
-    d = row.get("data")
-    if d is not None:
-        n += len(d)
     return n
 
 

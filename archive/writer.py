@@ -23,6 +23,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,17 +151,32 @@ def row_group_starts(table: pa.Table, max_rows: int, max_bytes: int) -> list[int
 
 
 class ArchiveWriter:
-    """Writes sorted, indexed Parquet objects to a store. Thread-safe (no shared state)."""
+    """Writes sorted, indexed Parquet objects to a store. Thread-safe (no shared state but
+    the write pool, itself thread-safe).
+
+    ``write_threads``: the objects of one batch (one per hour and task) are written by this
+    many threads at once. Parquet encoding, zstd and the upload release the GIL, so a second
+    thread uses a second core; the batch is reported written only when every object is."""
 
     def __init__(self, store: ObjectStore, *, row_group_rows: int = 50_000,
                  row_group_bytes: int = 32 * 1024 * 1024, compression: str = "zstd",
-                 compression_level: int | None = None, tmp_dir: str | None = None) -> None:
+                 compression_level: int | None = None, tmp_dir: str | None = None,
+                 write_threads: int = 1) -> None:
         self.store = store
         self.row_group_rows = row_group_rows
         self.row_group_bytes = row_group_bytes
         self.compression = compression
         self.compression_level = compression_level
         self.tmp_dir = tmp_dir
+        self.write_threads = max(1, write_threads)
+        self._pool = (ThreadPoolExecutor(self.write_threads, thread_name_prefix="archive-write")
+                      if self.write_threads > 1 else None)
+
+    def close(self) -> None:
+        """Stop the write threads (idle between batches; nothing is pending after a batch)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def write_object(self, table: pa.Table, key: str, index_key: str | None, date: str,
                      hour: str,
@@ -242,13 +258,28 @@ class ArchiveWriter:
             self.store.delete(key)
         objects: list[WrittenObject] = []
         conflict_objects: list[WrittenObject] = []
-        for area, date, hour, _task, rows, key, index_key in planned:
-            written = self.write_object(rows, key, index_key, date, hour, meta, sort=False)
+        jobs = [(rows, key, index_key, date, hour) for _, date, hour, _, rows, key, index_key
+                in planned]
+        for (area, *_), written in zip(planned, self._write_objects(jobs, meta), strict=True):
             (objects if area == "events" else conflict_objects).append(written)
         if before_marker is not None:
             before_marker()
         return BatchResult(topic, partition, first_offset, last_offset, objects, marker,
                            conflict_objects)
+
+    def _write_objects(self, jobs: list[tuple[pa.Table, str, str | None, str, str]],
+                       meta: dict[str, str]) -> list[WrittenObject]:
+        """Write every object (in ``jobs`` order); raise the first failure only after every
+        write has ended, so no write is still running when the batch is retried."""
+        if self._pool is None or len(jobs) < 2:
+            return [self.write_object(*job, meta, sort=False) for job in jobs]
+        futures = [self._pool.submit(self.write_object, *job, meta, sort=False)
+                   for job in jobs]
+        errors = [f.exception() for f in futures]  # waits for each
+        for exc in errors:
+            if exc is not None:
+                raise exc
+        return [f.result() for f in futures]
 
     def clear_marker(self, result: BatchResult) -> None:
         """After the commit: the batch is durable and committed, the marker is no longer

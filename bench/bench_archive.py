@@ -133,11 +133,17 @@ def bench_throughput(root: Path, n: int, repeat: int = 3) -> dict[str, Any]:
     table = synthetic_table(n, data_bytes=256, events_per_episode=200)
     mb = table.nbytes / 1e6
     store = LocalStore(root / "tp")
-    writer = ArchiveWriter(store, row_group_rows=50_000)
+    writer = ArchiveWriter(store, row_group_rows=50_000)  # one thread: like for like
+    threads = ArchiveSettings().write_threads
+    pooled = ArchiveWriter(LocalStore(root / "tp-pooled"), row_group_rows=50_000,
+                           write_threads=threads)  # the archiver's configuration
     result: list[Any] = []
 
     def ours() -> None:
         result[:] = [writer.write_batch(table, TOPIC, 0, 0, n - 1)]
+
+    def ours_pooled() -> None:
+        pooled.write_batch(table, TOPIC, 0, 0, n - 1)
 
     raw_paths: list[Path] = []
 
@@ -147,8 +153,12 @@ def bench_throughput(root: Path, n: int, repeat: int = 3) -> dict[str, Any]:
     # interleaved (ours, raw) pairs: both sides see the same machine load; the ratios are the
     # medians of the per-pair ratios, the events/s the best runs
     pairs = []
+    pooled_pairs = []
     for _ in range(repeat):
-        pairs.append((_timed_cpu(ours, 1), _timed_cpu(raw, 1)))
+        o, p, r = _timed_cpu(ours, 1), _timed_cpu(ours_pooled, 1), _timed_cpu(raw, 1)
+        pairs.append((o, r))
+        pooled_pairs.append((p, r))
+    pooled.close()
     t_ours = min(o[0] for o, _ in pairs)
     c_ours = min(o[1] for o, _ in pairs)
     t_raw = min(r[0] for _, r in pairs)
@@ -187,6 +197,12 @@ def bench_throughput(root: Path, n: int, repeat: int = 3) -> dict[str, Any]:
         "same_content": same,
         "writer_vs_raw_ratio": round(ratio, 3),
         "writer_vs_raw_cpu_ratio": round(cpu_ratio, 3),
+        "pooled_write_threads": threads,
+        "pooled_writer_events_per_s": round(n / min(p[0] for p, _ in pooled_pairs)),
+        "pooled_writer_vs_raw_ratio": round(
+            statistics.median(r[0] / p[0] for p, r in pooled_pairs), 3),
+        "pooled_writer_vs_raw_cpu_ratio": round(
+            statistics.median(r[1] / p[1] for p, r in pooled_pairs), 3),
         "raw_write_only_events_per_s": round(n / t_raw1),
         "writer_vs_raw_write_only_ratio": round(t_raw1 / t_ours, 3),
         "writer_vs_raw_write_only_cpu_ratio": round(c_raw1 / c_ours, 3),

@@ -119,6 +119,9 @@ class ArchiveSettings(BaseModel):
     # How long the archiver (and compaction/retention) wait out an S3 outage, retrying with
     # backoff, before giving up (nothing is committed meanwhile; a restart resumes).
     store_retry_s: float = 600.0
+    # Objects of one batch (one per hour and task) written at once: Parquet encoding, zstd
+    # and uploads release the GIL, so the second thread uses a second core (BENCHMARKS.md).
+    write_threads: int = Field(default=2, ge=1, le=32)
 
 
 class Settings(BaseSettings):

@@ -149,6 +149,13 @@ class Codec:
             self._dec[writer.fingerprint] = hit
         return hit
 
+    def writer_runtime(self, data: bytes) -> tuple[SchemaInfo, Any]:
+        """The writer's schema info and fastavro runtime schema of an encoded event (cached
+        per fingerprint), for readers that decode as written. Raises bad magic / unknown
+        schema like :meth:`writer_of`."""
+        hit = self._decoder(data)
+        return hit[0], hit[2]
+
     def decode(self, data: bytes) -> Decoded:
         """Decode to the reader schema of the writer's name (or the writer's own schema when
         this version has no reader of that name)."""

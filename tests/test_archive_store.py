@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import threading
 import uuid
 from pathlib import Path
@@ -214,6 +215,60 @@ def test_writing_the_same_batch_twice_yields_no_duplicates(tmp_path: Path) -> No
     con = ArchiveReader(store).connect()
     assert con.execute("SELECT count(*), count(DISTINCT event_id) FROM events").fetchone() == (
         len(events), len(events))
+
+
+def test_a_batch_written_by_two_threads_is_the_same_as_written_by_one(tmp_path: Path) -> None:
+    """The write pool changes who writes an object, never what is written: same keys, same
+    bytes, same index, in the same order."""
+    events = fleet(sandboxes=6, tasks=("web", "code", "math"))
+    table = rows_to_table([to_row(e.KIND, e.to_record() | {"header": e.header.model_dump()},
+                                  TOPIC, 0, i) for i, e in enumerate(events)])
+    results = {}
+    for threads in (1, 2):
+        store = LocalStore(tmp_path / f"arch-{threads}")
+        w = ArchiveWriter(store, write_threads=threads)
+        results[threads] = (w.write_batch(table, TOPIC, 0, 0, len(events) - 1), store)
+        w.close()
+    (one, s1), (two, s2) = results[1], results[2]
+    assert len(one.objects) == 3  # one object per task: the pool had work to share
+    assert [(o.key, o.index_key, o.rows) for o in one.objects] == \
+        [(o.key, o.index_key, o.rows) for o in two.objects]
+    keys = sorted(o.key for o in s1.list() if not o.key.startswith(layout.BATCHES))
+    assert keys == sorted(o.key for o in s2.list() if not o.key.startswith(layout.BATCHES))
+    for key in keys:
+        t1 = pq.read_table(io.BytesIO(s1.get_bytes(key)))
+        t2 = pq.read_table(io.BytesIO(s2.get_bytes(key)))
+        assert t1.equals(t2), key
+
+
+def test_a_failed_object_write_fails_the_batch_after_every_write_ended(tmp_path: Path) -> None:
+    """With several write threads, one failing upload fails the batch (nothing is committed)
+    and no other write is still running when the error reaches the caller."""
+    events = fleet(sandboxes=6, tasks=("web", "code", "math"))
+    table = rows_to_table([to_row(e.KIND, e.to_record() | {"header": e.header.model_dump()},
+                                  TOPIC, 0, i) for i, e in enumerate(events)])
+    running = 0
+    lock = threading.Lock()
+
+    class Flaky(LocalStore):
+        def put_file(self, key: str, path: str | os.PathLike[str]) -> int:
+            nonlocal running
+            with lock:
+                running += 1
+            try:
+                if "task=code" in key:
+                    raise OSError("disk full (injected)")
+                threading.Event().wait(0.05)  # the other writes are still going on
+                return super().put_file(key, path)
+            finally:
+                with lock:
+                    running -= 1
+
+    w = ArchiveWriter(Flaky(tmp_path / "arch"), write_threads=3)
+    with pytest.raises(OSError, match="injected"):
+        w.write_batch(table, TOPIC, 0, 0, len(events) - 1)
+    assert running == 0
+    w.close()
 
 
 def test_crash_between_upload_and_commit_replays_the_same_batch_boundary(
