@@ -238,6 +238,7 @@ class SandboxEmitter:
         durability: Literal["fsync", "os"] = "fsync",
         max_journal_bytes: int = 4 * 1024**3,
         segment_bytes: int = 32 * 1024 * 1024,
+        drained_roll_bytes: int = 1024 * 1024,
         claim_check: ClaimCheck | None = None,
         on_ack: Callable[[AckInfo], None] | None = None,
         shuffle: tuple[int, random.Random] | None = None,
@@ -271,6 +272,7 @@ class SandboxEmitter:
         self._key = sandbox.encode()
         self._new_id = id_factory or _new_event_id
         self._segment_bytes = segment_bytes
+        self._drained_roll_bytes = drained_roll_bytes
 
         # state (rebuilt from the journal)
         self._next_rid = 0
@@ -639,6 +641,8 @@ class SandboxEmitter:
                 self._space.set()
         if not self._unacked and self._idle is not None:
             self._idle.set()
+            if self._wake is not None:  # journal the acks (and roll a drained segment) now
+                self._wake.set()
         waiter = self._ack_waiters.pop(item.rid, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -656,8 +660,21 @@ class SandboxEmitter:
                 self._journal.append_acks(rids)
             except JournalError as exc:  # acks are an optimisation: worst case a re-send
                 self.last_error = str(exc)
+            self._roll_if_drained()
             self._gc_segments()
 
+    def _roll_if_drained(self) -> None:
+        """Every event of the active segment is acked and it has grown: start a new segment
+        (a snapshot) so the drained one is deleted now, not when ``segment_bytes`` fill up.
+        Bounds the disk an idle-ish emitter holds to about ``drained_roll_bytes``."""
+        journal = self._journal
+        if (journal is None or self._seg_unacked.get(journal.active)
+                or not journal.worth_rolling_drained(self._drained_roll_bytes)):
+            return
+        try:
+            journal.open_new_segment(self._snapshot(), sync_old=False)
+        except JournalError as exc:  # the old segment stays active: nothing lost
+            self.last_error = str(exc)
     def _gc_segments(self) -> None:
         journal = self._journal
         if journal is None:

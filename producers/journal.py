@@ -24,6 +24,11 @@ Guarantees:
   always opens a *new* segment, so nothing is ever appended after a torn tail.
 - A segment is deleted only when it is not the active one and all its events were acked; the
   active segment always starts with a snapshot, so the state is always recoverable.
+- Bounded disk: the emitter rolls the active segment as soon as every event in it is acked and
+  it holds more than ``drained_roll_bytes`` of events (and at least 3x its snapshot, so
+  snapshots stay a small share of the writes); the drained segment is then deleted. The
+  journal thus holds the unacknowledged events plus about ``drained_roll_bytes``, not a whole
+  ``segment_bytes`` segment of acknowledged ones.
 """
 
 from __future__ import annotations
@@ -107,6 +112,7 @@ class Journal:
         self.active = 0
         self._fd = -1
         self._size = 0
+        self.snapshot_bytes = 0  # of the active segment's first record
         self.seg_bytes: dict[int, int] = {}
         self._dirty = False
 
@@ -173,10 +179,11 @@ class Journal:
         return rec
 
     # -- writing ------------------------------------------------------------------------------
-    def open_new_segment(self, snapshot: dict[str, Any]) -> None:
-        """Start a new active segment whose first record is ``snapshot`` (durably)."""
+    def open_new_segment(self, snapshot: dict[str, Any], sync_old: bool = True) -> None:
+        """Start a new active segment whose first record is ``snapshot`` (durably).
+        ``sync_old=False``: the old segment is about to be deleted (all acked): no sync."""
         old_fd = self._fd
-        if old_fd >= 0:
+        if old_fd >= 0 and sync_old:
             os.fdatasync(old_fd)
         seg = max([*self.segments(), self.active]) + 1
         path = self.path(seg)
@@ -207,6 +214,7 @@ class Journal:
         self._fd = fd
         self.active = seg
         self._size = len(frame)
+        self.snapshot_bytes = len(frame)
         self.seg_bytes[seg] = self._size
         if old_fd >= 0:
             os.close(old_fd)
@@ -220,6 +228,13 @@ class Journal:
 
     def needs_roll(self, incoming: int) -> bool:
         return self._size + incoming > self.segment_bytes and self._size > 4096
+
+    def worth_rolling_drained(self, drained_roll_bytes: int) -> bool:
+        """The active segment (all of it acked, the caller knows) holds enough events that
+        replacing it by a fresh snapshot saves disk: more than ``drained_roll_bytes`` and at
+        least 3x its own snapshot."""
+        events = self._size - self.snapshot_bytes
+        return events > drained_roll_bytes and events >= 3 * self.snapshot_bytes
 
     def append(self, header: dict[str, Any], body: bytes = b"") -> tuple[int, int, int]:
         """Append one record; returns (segment, body offset, body length). On failure the

@@ -116,6 +116,40 @@ async def test_restart_resends_unacked_journal_and_continues(kafka_broker, uniqu
     assert len(ids) == 20
 
 
+async def test_acknowledged_events_leave_the_journal_promptly(kafka_broker, unique_name,
+                                                            tmp_path):
+    """Disk per emitter is bounded by what is unacknowledged plus ``drained_roll_bytes``, not
+    by the 32 MiB segment: once everything in the active segment is acked, the emitter rolls
+    to a fresh snapshot and deletes the drained segment. The state survives the roll."""
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path)
+    await create_topics(s)
+    state = tmp_path / "sb-j"
+    roll = 64 * 1024
+    journal_dir = state / "journal"
+
+    def journal_bytes() -> int:
+        return sum(p.stat().st_size for p in journal_dir.glob("seg-*.log"))
+
+    async with SandboxEmitter("sb-j", "task-a", settings=s, state_dir=state,
+                              drained_roll_bytes=roll) as em:
+        await em.start_episode("e1")
+        written = 0
+        for burst in range(6):
+            for i in range(500):
+                await em.tool_call("e1", "bash", {"cmd": f"echo {burst}-{i}", "pad": "x" * 200})
+            assert await em.flush(30)
+            written += 500
+            # the acks wake the sender, which journals them and rolls the drained segment
+            deadline = asyncio.get_running_loop().time() + 10
+            while journal_bytes() > 2 * roll and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+            assert journal_bytes() <= 2 * roll, (burst, journal_bytes())
+        assert written * 300 > 10 * roll  # far more was written than the journal now holds
+    em2 = SandboxEmitter("sb-j", "task-a", settings=s, state_dir=state)
+    assert em2.pending_count == 0 and em2.next_seq("e1") == 3001 and em2.is_open("e1")
+    await em2.abort()
+
+
 async def test_state_dir_is_exclusive(kafka_broker, unique_name, tmp_path):
     s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path)
     em = SandboxEmitter("sb-x", "task-a", settings=s)
