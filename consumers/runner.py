@@ -434,9 +434,16 @@ class Runner:
                        for o in outs]
             futures += [await send(self.changelog, blob, key=key.encode(), partition=slot)
                         for slot, key, blob in state]
-            await self._producer.send_offsets_to_transaction(offsets, self.group_id)
             if futures:
                 await asyncio.gather(*futures)
+            # The offsets only once every record is acknowledged. A Kafka 4 broker verifies
+            # a transactional produce and a TxnOffsetCommit with the transaction coordinator
+            # (KIP-890) and keeps one pending verification per transactional id: sent while a
+            # produce was in flight, the offsets' verification replaced the produce's, which
+            # came back NOT_ENOUGH_REPLICAS ("Unable to verify ... NETWORK_EXCEPTION") and was
+            # retried after aiokafka's 100 ms backoff (or the offsets' came back
+            # COORDINATOR_NOT_AVAILABLE). RELIABILITY.md, tests/test_runner_txn_retries.py.
+            await self._producer.send_offsets_to_transaction(offsets, self.group_id)
         counts_out: dict[str, int] = {}
         for out in outs:
             counts_out[out.topic] = counts_out.get(out.topic, 0) + 1
