@@ -12,6 +12,8 @@ from collections.abc import Iterable
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.protocol.api import Request, RequestStruct, Response
+from aiokafka.protocol.types import Array, Int16, Int32, Schema, String
 
 from trajbus.bus.kafka import connection_options
 from trajbus.bus.producer import get_producer
@@ -91,3 +93,65 @@ async def register_schemas(settings: Settings, registry: SchemaRegistry | None =
         )
     await asyncio.gather(*futures)
     return len(futures)
+
+
+# -- static membership ---------------------------------------------------------------------
+# aiokafka speaks LeaveGroup v0/v1 only, which cannot name a static member (KIP-345), and it
+# sends no LeaveGroup at all for one. v3 removes members by group.instance.id, as Kafka's
+# Admin.removeMembersFromConsumerGroup does.
+class _LeaveGroupResponseV3(Response):
+    API_KEY = 13
+    API_VERSION = 3
+    SCHEMA = Schema(
+        ("throttle_time_ms", Int32),
+        ("error_code", Int16),
+        ("members", Array(("member_id", String("utf-8")), ("group_instance_id", String("utf-8")),
+                          ("error_code", Int16))),
+    )
+
+
+class _LeaveGroupRequestV3(RequestStruct):
+    API_KEY = 13
+    API_VERSION = 3
+    RESPONSE_TYPE = _LeaveGroupResponseV3
+    SCHEMA = Schema(
+        ("group", String("utf-8")),
+        ("members", Array(("member_id", String("utf-8")), ("group_instance_id", String("utf-8")))),
+    )
+
+
+class _StaticLeaveGroup(Request[_LeaveGroupRequestV3]):
+    API_KEY = 13
+
+    def __init__(self, group: str, instance_id: str) -> None:
+        self.group = group
+        self.instance_id = instance_id
+
+    def build(self, request_struct_class: type[_LeaveGroupRequestV3]) -> _LeaveGroupRequestV3:
+        return request_struct_class(self.group, [("", self.instance_id)])
+
+
+async def leave_group_as_static_member(settings: Settings, group_id: str, instance_id: str,
+                                       timeout_s: float = 10.0) -> None:
+    """Remove the static member ``instance_id`` from ``group_id`` now, so its partitions move
+    to the other members at once instead of after its session timeout. For a clean stop; a
+    crashed member is simply not removed (its restart takes its partitions back). Raises
+    ``RuntimeError`` with the broker's error code if the broker refuses; a member the group
+    does not know (never joined, or already expired) is not an error."""
+    from aiokafka.errors import for_code
+
+    admin = AIOKafkaAdminClient(
+        **connection_options(settings.kafka), client_id=f"{settings.kafka.client_id}-admin"
+    )
+    async with asyncio.timeout(timeout_s):
+        await admin.start()
+        try:
+            node = await admin.find_coordinator(group_id)
+            resp = await admin._send_request(_StaticLeaveGroup(group_id, instance_id), node)
+        finally:
+            await admin.close()
+    codes = [resp.error_code] + [code for _, _, code in resp.members]
+    bad = [c for c in codes if c not in (0, 25)]  # 25 UNKNOWN_MEMBER_ID: not (or no longer) in
+    if bad:
+        raise RuntimeError(f"LeaveGroup of {instance_id} in {group_id} refused: "
+                           f"{for_code(bad[0]).__name__} (error {bad[0]})")

@@ -34,6 +34,11 @@ class KafkaSettings(BaseModel):
     max_request_size: int = 8 * 1024 * 1024
     request_timeout_ms: int = 30_000
     connect_timeout_s: float = 10.0
+    # Group members (workers, archiver, trainers): how long the coordinator waits for a member
+    # that stopped heartbeating. A crashed worker restarted with the same --worker-id takes its
+    # partitions back at once (static membership); one that does not come back is replaced
+    # after this long.
+    session_timeout_ms: int = Field(default=10_000, ge=6_000, le=1_800_000)
 
 
 class TopicSettings(BaseModel):

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
-from trajbus.bus.admin import ensure_topics
+from trajbus.bus.admin import ensure_topics, leave_group_as_static_member
 from trajbus.bus.kafka import check_broker, connection_options
 from trajbus.bus.producer import producer_options
 from trajbus.bus.settings import Settings
@@ -118,6 +118,12 @@ CHANGELOG_CONFIGS = {
     "max.compaction.lag.ms": str(15 * 60_000),
     "delete.retention.ms": str(24 * 3_600_000),
 }
+
+
+# How long a restore waits for a transaction pending on a state partition to complete. A
+# committed transaction's markers land in milliseconds; one pending longer belongs to an owner
+# that died mid-transaction (RELIABILITY.md, finding P).
+RESTORE_PENDING_TXN_WAIT_S = 5.0
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -216,11 +222,20 @@ class Runner:
             begin = await consumer.beginning_offsets(tps)
             for tp in tps:
                 consumer.seek(tp, begin[tp])
-            end = await consumer.end_offsets(tps)
             fresh = {s: self.spec.factory() for s in slots}
-            pending = {tp for tp in tps if end[tp] > 0}
+            # Read until no transaction is pending on the partition (last stable offset ==
+            # high watermark), not merely to the last stable offset. A previous owner that let
+            # go of the partition had its last transaction committed just before, and its
+            # commit markers can still be on their way while its input offsets are visible
+            # already: restoring without that transaction's state would resume after inputs
+            # whose state is lost (a clean handover lost events this way). A transaction still
+            # pending after RESTORE_PENDING_TXN_WAIT_S is taken as abandoned (a SIGKILLed
+            # owner; the broker aborts it after its timeout, and its offsets were never
+            # committed): the state up to the last stable offset is then the consistent one.
+            pending = set(tps)
+            waited_since = time.monotonic()
             while pending:
-                batch = await consumer.getmany(*pending, timeout_ms=500)
+                batch = await consumer.getmany(*pending, timeout_ms=100)
                 for tp, msgs in batch.items():
                     for msg in msgs:
                         key = msg.key.decode() if msg.key else ""
@@ -228,8 +243,17 @@ class Runner:
                         # key's put and its later delete, and the delete must win.
                         fresh[tp.partition].restore(key, msg.value)
                         restored += 1
+                patient = time.monotonic() - waited_since < RESTORE_PENDING_TXN_WAIT_S
                 for tp in list(pending):
-                    if await consumer.position(tp) >= end[tp]:
+                    hw, lso = consumer.highwater(tp), consumer.last_stable_offset(tp)
+                    if hw is None or lso is None:
+                        continue  # no fetch response for it yet
+                    if await consumer.position(tp) >= lso and (lso >= hw or not patient):
+                        if lso < hw:
+                            log.warning("%s: state partition %d has a transaction pending for "
+                                        "%.0f s: taken as abandoned, restored up to its last "
+                                        "stable offset %d (high watermark %d)", self.spec.name,
+                                        tp.partition, RESTORE_PENDING_TXN_WAIT_S, lso, hw)
                         pending.discard(tp)
         finally:
             await consumer.stop()
@@ -276,6 +300,12 @@ class Runner:
             **connection_options(k),
             group_id=self.group_id,
             client_id=f"{self.group_id}-{self.worker_id}",
+            # Static membership (KIP-345): a worker SIGKILLed and restarted with the same
+            # --worker-id is given its partitions back at once, instead of waiting for its dead
+            # self's session to expire. A clean stop leaves explicitly (_leave_group).
+            group_instance_id=self.instance_id,
+            session_timeout_ms=k.session_timeout_ms,
+            heartbeat_interval_ms=max(1000, k.session_timeout_ms // 5),
             isolation_level="read_committed",
             enable_auto_commit=False,
             auto_offset_reset="earliest",
@@ -298,6 +328,7 @@ class Runner:
             self._consumer.subscribe(self.spec.input_topics, listener=_Rebalance(self))
         ticker = asyncio.create_task(self._ticker())
         idle_since = time.monotonic()
+        clean = False
         try:
             while not self.stopping.is_set():
                 t_poll = time.perf_counter()
@@ -324,6 +355,7 @@ class Runner:
                     await self._process(ready)
             async with self._lock:
                 await self._settle()
+            clean = True
         finally:
             if self._inflight is not None:  # failing: the broker aborts it (or it commits)
                 self._inflight.cancel()
@@ -335,6 +367,25 @@ class Runner:
                 await ticker
             await self._consumer.stop()
             await self._producer.stop()
+            if clean:  # a crash stays a member: its restart takes the partitions back
+                await self._leave_group()
+
+    @property
+    def instance_id(self) -> str:
+        """This worker's static member id in its group (one per processor and --worker-id)."""
+        return f"{self.group_id}.{self.worker_id}"
+
+    async def _leave_group(self) -> None:
+        """A clean stop: hand the partitions to the other members now (a static member is
+        otherwise kept until its session times out). Failing to leave only delays that."""
+        try:
+            await leave_group_as_static_member(self.settings, self.group_id, self.instance_id)
+        except Exception as exc:  # best effort: the session timeout still applies
+            log.warning("%s: could not leave group %s (%s: %s); its partitions move after the "
+                        "session timeout", self.instance_id, self.group_id,
+                        type(exc).__name__, exc)
+        else:
+            log.info("%s left group %s", self.instance_id, self.group_id)
 
     def _release(self) -> list[tuple[TopicPartition, Any]]:
         """Ordered mode: pop records in (timestamp, topic rank, topic, partition) order of the

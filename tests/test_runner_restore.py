@@ -87,3 +87,79 @@ async def test_the_changelog_is_created_to_be_compacted_promptly(kafka_broker,
     assert entries["cleanup.policy"] == "compact"
     for name, value in CHANGELOG_CONFIGS.items():
         assert entries[name] == value, name
+
+
+async def _transactional_producer(settings, txn_id: str):
+    from aiokafka import AIOKafkaProducer
+
+    from trajbus.bus.producer import producer_options
+
+    p = AIOKafkaProducer(**producer_options(settings.kafka, transactional_id=txn_id))
+    await p.start()
+    return p
+
+
+async def test_restore_waits_for_a_transaction_that_commits_while_it_reads(
+        kafka_broker, unique_name) -> None:
+    """The previous owner's last transaction can still be completing (commit markers on their
+    way) when the new owner restores, while its input offsets are visible already. Reading only
+    to the last stable offset would restore state without that transaction and resume after its
+    inputs: their state lost. The restore waits until no transaction is pending."""
+    import asyncio
+
+    settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=1)
+    spec = ProcessorSpec(name="rec", input_topics=[f"{unique_name}.in"], factory=Recording)
+    runner = Runner(settings, spec, "w0")
+    await ensure_topics(settings, [TopicSpec(runner.changelog, 1, "test", "key",
+                                             retention_ms=-1, compacted=True)])
+    owner = await _transactional_producer(settings, f"{unique_name}.old-owner")
+    try:
+        async with owner.transaction():
+            await (await owner.send(runner.changelog, b"before", key=b"a", partition=0))
+        await owner.begin_transaction()
+        await (await owner.send(runner.changelog, b"last", key=b"b", partition=0))
+
+        async def commit_soon() -> None:
+            await asyncio.sleep(1.0)  # the restore is reading meanwhile
+            await owner.commit_transaction()
+
+        committer = asyncio.create_task(commit_soon())
+        await runner.restore([TopicPartition(f"{unique_name}.in", 0)])
+        await committer
+    finally:
+        await owner.stop()
+    core = runner.cores[0]
+    assert isinstance(core, Recording)
+    assert core.state == {"a": b"before", "b": b"last"}
+
+
+async def test_restore_takes_a_transaction_pending_for_long_as_abandoned(
+        kafka_broker, unique_name) -> None:
+    """An owner SIGKILLed mid-transaction leaves it open until the broker's transaction
+    timeout (its offsets were never committed): after RESTORE_PENDING_TXN_WAIT_S the restore
+    proceeds with the committed state instead of stalling failover for the timeout."""
+    import time
+
+    from trajbus.consumers.runner import RESTORE_PENDING_TXN_WAIT_S
+
+    settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=1)
+    spec = ProcessorSpec(name="rec", input_topics=[f"{unique_name}.in"], factory=Recording)
+    runner = Runner(settings, spec, "w0")
+    await ensure_topics(settings, [TopicSpec(runner.changelog, 1, "test", "key",
+                                             retention_ms=-1, compacted=True)])
+    owner = await _transactional_producer(settings, f"{unique_name}.dead-owner")
+    try:
+        async with owner.transaction():
+            await (await owner.send(runner.changelog, b"committed", key=b"a", partition=0))
+        await owner.begin_transaction()
+        await (await owner.send(runner.changelog, b"never", key=b"b", partition=0))
+        started = time.monotonic()
+        await runner.restore([TopicPartition(f"{unique_name}.in", 0)])
+        took = time.monotonic() - started
+        await owner.abort_transaction()
+    finally:
+        await owner.stop()
+    core = runner.cores[0]
+    assert isinstance(core, Recording)
+    assert core.state == {"a": b"committed"}
+    assert RESTORE_PENDING_TXN_WAIT_S <= took < RESTORE_PENDING_TXN_WAIT_S + 15
