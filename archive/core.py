@@ -171,12 +171,34 @@ class ArchiveBatcher:
             self.stats.duplicates += 1
             return []
         self._seen[tp] = offset
-        out: list[Flush] = []
         expected = self._expected.get(tp)
+        b = self._open.get(tp)
+        if b is not None and not expected and t is not None:
+            # the common case: an open batch, no replayed boundary, an archived record
+            tmin, tmax = b.tmin, b.tmax
+            if b.rows and b.nbytes + nbytes > self.target_object_bytes:
+                out = [self._close(tp, "size")]
+                b = None
+            elif tmin is not None and tmax is not None and \
+                    (tmax if tmax > t else t) - (tmin if tmin < t else t) > self.max_open_ms:
+                out = [self._close(tp, "span")]
+                b = None
+            else:
+                b.last = offset
+                b.rows += 1
+                b.nbytes += nbytes
+                if tmin is None or t < tmin:
+                    b.tmin = t
+                if tmax is None or t > tmax:
+                    b.tmax = t
+                if b.nbytes >= self.target_object_bytes:
+                    return [self._close(tp, "size")]
+                return []
+        else:
+            out = []
         # Drop recorded boundaries that lie entirely behind us.
         while expected and expected[0][1] < offset and tp not in self._open:
             expected.pop(0)
-        b = self._open.get(tp)
         if b is not None:
             if expected:
                 if offset > expected[0][1]:

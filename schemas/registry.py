@@ -35,10 +35,11 @@ class SchemaInfo:
     # schemaless_reader re-parse a schema without it on every call (~10x slower). Runtime
     # encode/decode use this one; ``parsed`` stays the plain form (canonical form, tests).
     runtime: Any = field(default=None, repr=False, compare=False)
+    # the kind, e.g. "ToolCall" (computed once: decoders read it per record)
+    short_name: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def short_name(self) -> str:
-        return self.name.rsplit(".", 1)[-1]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "short_name", self.name.rsplit(".", 1)[-1])
 
 
 def avro_fingerprint(canonical: str) -> bytes:
