@@ -2,6 +2,9 @@
 
     .venv/bin/python bench/run_all.py [--quick] [--only NAME ...]
 
+``--only`` re-runs some benchmarks and keeps the others' last results (bench/results/all.json):
+each section of BENCHMARKS.md says when it ran and under which load.
+
 Starts its own Kafka broker (free port, temporary data directory) for the benchmarks that need
 one, so peers and trajbus are measured side by side on the same broker in the same run. Each
 benchmark writes a JSON file to bench/results/; this script turns them into BENCHMARKS.md with
@@ -97,6 +100,8 @@ def run(names: list[str], quick: bool) -> dict[str, Any]:
                 data = {"error": f"exit {proc.returncode}", "stderr": proc.stderr[-1500:]}
             data["_command"] = " ".join(["python", *cmd[1:]]).replace(bootstrap, "$BROKER")
             data["_seconds"] = round(took, 1)
+            data["_ran_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            data["_load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
             results[name] = data
     finally:
         if broker is not None:
@@ -157,8 +162,11 @@ def write_markdown(results: dict[str, Any], quick: bool) -> str:
     for name, data in results.items():
         if name.startswith("_"):
             continue
+        ran = (f" Ran {data['_ran_at']}, load average {data.get('_load', '?')} at its end."
+               if data.get("_ran_at") else "")
         lines += [f"## {name}", "", f"Command: `{data.get('_command', '')}` "
-                  f"({data.get('_seconds', '?')} s)", "", "| metric | value |", "| --- | --- |"]
+                  f"({data.get('_seconds', '?')} s).{ran}", "", "| metric | value |",
+                  "| --- | --- |"]
         rows: list[tuple[str, str]] = []
         _flatten("", data, rows)
         lines += [f"| {k} | {v} |" for k, v in rows]
@@ -191,6 +199,13 @@ def main() -> None:
         print(f"[bench] wrote {args.out}")
         return
     results = run(names, args.quick)
+    previous = RESULTS / "all.json"
+    if args.only and previous.exists():  # keep the other benchmarks' last results
+        kept = {k: v for k, v in json.loads(previous.read_text()).items()
+                if not k.startswith("_") and k not in results}
+        results = {**results, **kept}
+        results = {"_machine": results["_machine"],
+                   **{n: results[n] for n in BENCHES if n in results}}
     args.out.write_text(write_markdown(results, args.quick))
     (RESULTS / "all.json").write_text(json.dumps(results, indent=2, default=str))
     print(f"[bench] wrote {args.out}")
