@@ -39,6 +39,7 @@ BENCHES: dict[str, tuple[str, list[str], list[str], bool]] = {
     "e2e": ("bench_e2e.py", [], ["--events", "15000", "--seconds", "8",
                                  "--overlap-episodes", "4"], True),
     "worker": ("bench_worker.py", [], ["--events", "15000", "--repeat", "1"], True),
+    "recovery": ("bench_recovery.py", [], ["--episodes", "2000", "--repeat", "1"], True),
 }
 
 
