@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -183,6 +184,10 @@ class Fleet:
         if self.producer.flush(timeout) or self.errors:
             raise RuntimeError(f"producing to {self.topic}: {self.errors[:3] or 'flush timed out'}")
 
+    def close(self) -> None:
+        self.producer.flush(10)
+        del self.producer
+
 
 def open_episodes(n: int, sandboxes: int, max_calls: int, task: str, seed: int
                   ) -> tuple[list[tuple[bytes, bytes, int | None]], int]:
@@ -236,25 +241,39 @@ def probe_records(partitions: int, task: str, tag: str
 
 
 class GroupWatch:
-    """The worker group's committed offsets on the input topic, through the admin API."""
+    """The worker group's committed offsets on the input topic, through aiokafka's admin client
+    on a private event loop. Not librdkafka's: its admin OffsetFetch can segfault while the
+    group's coordinator is not known yet (a fresh broker, a group not joined yet; seen here
+    with confluent-kafka 2.16 / librdkafka 2.16, cf. confluent-kafka-python#1982)."""
 
     def __init__(self, bootstrap: str, group: str, topic: str) -> None:
-        from confluent_kafka.admin import AdminClient
+        from aiokafka.admin import AIOKafkaAdminClient
 
-        self.admin = AdminClient(_conf(bootstrap))
+        async def start() -> AIOKafkaAdminClient:
+            admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap,
+                                        client_id="bench-recovery-watch")
+            await admin.start()
+            return admin
+
+        self.loop = asyncio.new_event_loop()
+        self.admin = self.loop.run_until_complete(asyncio.wait_for(start(), 30))
         self.group = group
         self.topic = topic
 
     def committed(self, partitions: list[int]) -> dict[int, int]:
-        from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
+        from aiokafka.structs import TopicPartition
 
-        req = [ConsumerGroupTopicPartitions(self.group, [TopicPartition(self.topic, p)
-                                                         for p in partitions])]
+        tps = [TopicPartition(self.topic, p) for p in partitions]
         try:
-            res = self.admin.list_consumer_group_offsets(req)[self.group].result(5)
-        except Exception:  # group not known yet
+            res = self.loop.run_until_complete(asyncio.wait_for(
+                self.admin.list_consumer_group_offsets(self.group, partitions=tps), 5))
+        except Exception:  # coordinator not known yet, or a timeout: ask again
             return {}
-        return {tp.partition: tp.offset for tp in res.topic_partitions}
+        return {tp.partition: om.offset for tp, om in res.items() if om is not None}
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.admin.close())
+        self.loop.close()
 
     def wait_caught_up(self, target: dict[int, int], proc: subprocess.Popen[bytes],
                        timeout: float) -> float:
@@ -375,25 +394,26 @@ def run(a: argparse.Namespace, bootstrap: str, work: Path) -> dict[str, Any]:
     t = time.monotonic()
     records, n_events = open_episodes(a.episodes, a.sandboxes, a.max_calls, a.task, a.seed)
     t_encode = time.monotonic() - t
-    fleet = Fleet(bootstrap, topics.sandbox_events, compression)
-    t = time.monotonic()
-    fleet.produce(records, timeout=a.timeout)
-    t_produce = time.monotonic() - t
-    del records
-    target = end_offsets(bootstrap, topics.sandbox_events)
-    print(f"[recovery] {a.episodes:,} open episodes ({n_events:,} events, {a.sandboxes:,} "
-          f"sandboxes, {a.partitions} partitions) produced in {t_produce:.1f} s", flush=True)
-
     env = dict(os.environ)
     env.update({"TRAJBUS_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
                 "TRAJBUS_TOPICS__PREFIX": prefix,
                 "TRAJBUS_TOPICS__PARTITIONS": str(a.partitions),
                 "TRAJBUS_STATE_DIR": str(work / "state")})
     worker = WorkerProc(env, work)
-    group = GroupWatch(bootstrap, prefix + GROUP_SUFFIX, topics.sandbox_events)
+    fleet = Fleet(bootstrap, topics.sandbox_events, compression)
+    group: GroupWatch | None = None
     rounds: list[dict[str, Any]] = []
     first: dict[str, Any] = {}
     try:
+        t = time.monotonic()
+        fleet.produce(records, timeout=a.timeout)
+        t_produce = time.monotonic() - t
+        del records
+        target = end_offsets(bootstrap, topics.sandbox_events)
+        print(f"[recovery] {a.episodes:,} open episodes ({n_events:,} events, "
+              f"{a.sandboxes:,} sandboxes, {a.partitions} partitions) produced in "
+              f"{t_produce:.1f} s", flush=True)
+        group = GroupWatch(bootstrap, prefix + GROUP_SUFFIX, topics.sandbox_events)
         t_start_wall = time.time()
         proc = worker.start()
         drain_s = group.wait_caught_up(target, proc, a.timeout)
@@ -467,7 +487,10 @@ def run(a: argparse.Namespace, bootstrap: str, work: Path) -> dict[str, Any]:
                   f"{res['timeline_s']}", flush=True)
     finally:
         worker.stop()
-        fleet.producer.flush(10)
+        fleet.close()
+        if group is not None:
+            group.close()
+        gc.collect()  # librdkafka clients gone before the broker stops (no disconnect noise)
     imports = import_time()
     leftovers = {name: sum(end_offsets(bootstrap, t).values())
                  for name, t in (("late", topics.late), ("deadletter", topics.deadletter))}
