@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
+import gc
 import logging
 import re
 import time
@@ -126,6 +129,19 @@ CHANGELOG_CONFIGS = {
 RESTORE_PENDING_TXN_WAIT_S = 5.0
 
 
+def _return_freed_memory() -> None:
+    """After a restore: give the memory the restore read through (every changelog record,
+    most of them superseded) back to the OS. glibc keeps freed heap memory for reuse, so a
+    restarted worker's RSS stayed well above its state's (x1.7 with 20,000 open episodes,
+    bench_recovery); ``malloc_trim`` returns it. A no-op where glibc is not the allocator."""
+    gc.collect()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class _Rebalance(ConsumerRebalanceListener):
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
@@ -222,7 +238,12 @@ class Runner:
             begin = await consumer.beginning_offsets(tps)
             for tp in tps:
                 consumer.seek(tp, begin[tp])
-            fresh = {s: self.spec.factory() for s in slots}
+            # The latest value of each key, in the order of its last write: what a fully
+            # compacted changelog holds. The cores are built from it only once the consumer
+            # and every record it fetched are gone, so the long-lived state is not scattered
+            # among short-lived records (RSS after a restore was x1.7 the uninterrupted
+            # worker's, bench_recovery).
+            latest: dict[int, dict[str, bytes | None]] = {s: {} for s in slots}
             # Read until no transaction is pending on the partition (last stable offset ==
             # high watermark), not merely to the last stable offset. A previous owner that let
             # go of the partition had its last transaction committed just before, and its
@@ -234,14 +255,17 @@ class Runner:
             # committed): the state up to the last stable offset is then the consistent one.
             pending = set(tps)
             waited_since = time.monotonic()
+            batch: dict[TopicPartition, list[Any]] = {}
             while pending:
                 batch = await consumer.getmany(*pending, timeout_ms=100)
                 for tp, msgs in batch.items():
+                    values = latest[tp.partition]
                     for msg in msgs:
                         key = msg.key.decode() if msg.key else ""
                         # A None (tombstone) deletes: until compaction the changelog holds a
                         # key's put and its later delete, and the delete must win.
-                        fresh[tp.partition].restore(key, msg.value)
+                        values.pop(key, None)
+                        values[key] = msg.value
                         restored += 1
                 patient = time.monotonic() - waited_since < RESTORE_PENDING_TXN_WAIT_S
                 for tp in list(pending):
@@ -257,7 +281,17 @@ class Runner:
                         pending.discard(tp)
         finally:
             await consumer.stop()
+        batch = {}  # the last fetch's records: gone before the cores are built
+        gc.collect()
+        fresh = {s: self.spec.factory() for s in slots}
+        for slot in slots:
+            values = latest.pop(slot)
+            core = fresh[slot]
+            for key, value in values.items():
+                core.restore(key, value)
+            values.clear()
         self.cores.update(fresh)
+        _return_freed_memory()
         log.info("%s: restored %d state records for partitions %s in %.2fs",
                  self.spec.name, restored, slots, time.monotonic() - started)
 
