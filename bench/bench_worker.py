@@ -674,6 +674,10 @@ async def peer_aiokafka(a: argparse.Namespace) -> int:
             await send(a.state_topic, r.state(key), key=key.encode(), partition=part)
         dirty.clear()
         if txn:
+            # the records first: a Kafka 4 broker keeps one pending transaction verification
+            # per producer, and offsets sent while records are in flight make aiokafka retry
+            # (the worker does the same since issue 17; RELIABILITY.md)
+            await p.flush()
             await p.send_offsets_to_transaction(dict(offsets), a.group)
             await p.commit_transaction()
             in_txn = False
