@@ -642,8 +642,10 @@ class SandboxEmitter:
                 self._space.set()
         if not self._unacked and self._idle is not None:
             self._idle.set()
-            if self._wake is not None:  # journal the acks (and roll a drained segment) now
-                self._wake.set()
+            journal = self._journal
+            if (self._wake is not None and journal is not None
+                    and journal.worth_rolling_drained(self._drained_roll_bytes)):
+                self._wake.set()  # roll the drained segment now, not at the next event
         waiter = self._ack_waiters.pop(item.rid, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
