@@ -11,6 +11,8 @@ partition, in order. A send is durable when its future resolves.
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
@@ -18,6 +20,8 @@ from aiokafka.partitioner import DefaultPartitioner, murmur2
 
 from trajbus.bus.kafka import BrokerUnavailableError, connection_options
 from trajbus.bus.settings import KafkaSettings, get_settings
+
+log = logging.getLogger(__name__)
 
 _producer: AIOKafkaProducer | None = None
 _loop: asyncio.AbstractEventLoop | None = None
@@ -48,7 +52,35 @@ class CachedPartitioner(DefaultPartitioner):
         return all_partitions[h % len(all_partitions)]
 
 
+def set_lz4_level(level: int) -> bool:
+    """Make aiokafka's producers compress lz4 at ``level`` (process-wide).
+
+    aiokafka offers no compression level: its record batch builders (the C one and the
+    pure-Python fallback) call the module-level ``lz4_encode(data)``, whose default is level 9,
+    lz4's slow high-compression mode. They are pointed at ``lz4_encode(data, level=level)``.
+    Returns False (and logs) if this aiokafka has no such hook: the default level then stays,
+    nothing else changes."""
+    from aiokafka import codec
+    from aiokafka.record import default_records as py_records
+
+    try:
+        from aiokafka.record._crecords import default_records as c_records
+    except ImportError:  # no C extension: the Python builder is the one in use
+        c_records = None
+    encode = functools.partial(codec.lz4_encode, level=level)
+    done = False
+    for module in (c_records, py_records):
+        if module is not None and hasattr(module, "lz4_encode"):
+            module.lz4_encode = encode
+            done = True
+    if not done:
+        log.warning("this aiokafka has no lz4_encode hook: lz4 stays at its default level 9")
+    return done
+
+
 def producer_options(k: KafkaSettings, **overrides: Any) -> dict[str, Any]:
+    if (overrides.get("compression_type", k.compression_type)) == "lz4":
+        set_lz4_level(k.lz4_level)
     opts = connection_options(k)
     opts.update(
         client_id=f"{k.client_id}-producer",

@@ -29,6 +29,10 @@ class KafkaSettings(BaseModel):
     # not the default: aiokafka fetches with FetchRequest v4, which cannot read topics whose
     # broker-side compression.type is zstd (aio-libs/aiokafka#1112).
     compression_type: Literal["gzip", "lz4", "zstd", "snappy"] | None = "lz4"
+    # lz4 level for aiokafka's producers (its own default is 9, the slow HC mode): level 1
+    # compressed this project's events 6x faster (914 vs 148 MB/s per core) for a 7% larger
+    # output (ratio 3.27 vs 3.50); BENCHMARKS.md, bench/ANALYSIS.md.
+    lz4_level: int = Field(default=1, ge=0, le=16)
     linger_ms: int = 10
     max_batch_size: int = 1_048_576
     max_request_size: int = 8 * 1024 * 1024
