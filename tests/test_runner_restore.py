@@ -95,14 +95,23 @@ async def test_the_changelog_is_created_to_be_compacted_promptly(kafka_broker,
         assert entries[name] == value, name
 
 
-async def _transactional_producer(settings, txn_id: str):
+async def _runner_and_previous_owner(bootstrap: str, name: str, owner: str):
+    """A runner with an empty one-partition changelog, and a transactional producer standing
+    for the partition's previous owner, which has committed key ``a`` = ``b"committed"``."""
     from aiokafka import AIOKafkaProducer
 
     from trajbus.bus.producer import producer_options
 
-    p = AIOKafkaProducer(**producer_options(settings.kafka, transactional_id=txn_id))
+    settings = settings_for(bootstrap, name, partitions=1)
+    spec = ProcessorSpec(name="rec", input_topics=[f"{name}.in"], factory=Recording)
+    runner = Runner(settings, spec, "w0")
+    await ensure_topics(settings, [TopicSpec(runner.changelog, 1, "test", "key",
+                                             retention_ms=-1, compacted=True)])
+    p = AIOKafkaProducer(**producer_options(settings.kafka, transactional_id=f"{name}.{owner}"))
     await p.start()
-    return p
+    async with p.transaction():
+        await (await p.send(runner.changelog, b"committed", key=b"a", partition=0))
+    return runner, p
 
 
 async def test_restore_waits_for_a_transaction_that_commits_while_it_reads(
@@ -113,15 +122,9 @@ async def test_restore_waits_for_a_transaction_that_commits_while_it_reads(
     inputs: their state lost. The restore waits until no transaction is pending."""
     import asyncio
 
-    settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=1)
-    spec = ProcessorSpec(name="rec", input_topics=[f"{unique_name}.in"], factory=Recording)
-    runner = Runner(settings, spec, "w0")
-    await ensure_topics(settings, [TopicSpec(runner.changelog, 1, "test", "key",
-                                             retention_ms=-1, compacted=True)])
-    owner = await _transactional_producer(settings, f"{unique_name}.old-owner")
+    runner, owner = await _runner_and_previous_owner(kafka_broker.bootstrap, unique_name,
+                                                     "old-owner")
     try:
-        async with owner.transaction():
-            await (await owner.send(runner.changelog, b"before", key=b"a", partition=0))
         await owner.begin_transaction()
         await (await owner.send(runner.changelog, b"last", key=b"b", partition=0))
 
@@ -136,7 +139,7 @@ async def test_restore_waits_for_a_transaction_that_commits_while_it_reads(
         await owner.stop()
     core = runner.cores[0]
     assert isinstance(core, Recording)
-    assert core.state == {"a": b"before", "b": b"last"}
+    assert core.state == {"a": b"committed", "b": b"last"}
 
 
 async def test_restore_takes_a_transaction_pending_for_long_as_abandoned(
@@ -148,15 +151,9 @@ async def test_restore_takes_a_transaction_pending_for_long_as_abandoned(
 
     from trajbus.consumers.runner import RESTORE_PENDING_TXN_WAIT_S
 
-    settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=1)
-    spec = ProcessorSpec(name="rec", input_topics=[f"{unique_name}.in"], factory=Recording)
-    runner = Runner(settings, spec, "w0")
-    await ensure_topics(settings, [TopicSpec(runner.changelog, 1, "test", "key",
-                                             retention_ms=-1, compacted=True)])
-    owner = await _transactional_producer(settings, f"{unique_name}.dead-owner")
+    runner, owner = await _runner_and_previous_owner(kafka_broker.bootstrap, unique_name,
+                                                     "dead-owner")
     try:
-        async with owner.transaction():
-            await (await owner.send(runner.changelog, b"committed", key=b"a", partition=0))
         await owner.begin_transaction()
         await (await owner.send(runner.changelog, b"never", key=b"b", partition=0))
         started = time.monotonic()
