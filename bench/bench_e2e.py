@@ -362,29 +362,41 @@ async def rate_phase(args: argparse.Namespace, settings: Settings, trainer: Trai
     ok = await trainer.wait_for(phase, total, timeout=max(60.0, total / 2000))
     w_cpu, t_cpu = proc_cpu_s(worker_pid) - w_cpu0, time.process_time() - t_cpu0
     sink = trainer.sinks.get(phase, Sink())
+    extra = {"input_probe_ms": probe.report(phase)} if probe is not None else {}
+    return {**extra, **phase_report(rate, prod, ok, sink, ("worker", w_cpu), ("trainer", t_cpu),
+                                    {"segments": sink.segments})}
+
+
+def phase_report(rate: int | None, prod: dict[str, Any], complete: bool, sink: Sink,
+                 middle: tuple[str, float], end: tuple[str, float],
+                 extra: dict[str, Any]) -> dict[str, Any]:
+    """One phase's figures, the same shape for trajbus (worker -> trainer) and the peer
+    (loop -> consumer): throughput, latency and its split at the middle stage's output, CPU."""
+    (mid, mid_cpu), (last, last_cpu) = middle, end
+    total = prod["events"]
     span_s = max(1e-9, (sink.last_ms - prod["t_first_emit_ms"]) / 1000)
     lat = sink.latencies_ms
-    extra = {"input_probe_ms": probe.report(phase)} if probe is not None else {}
-    return {**extra,
+
+    def p50_p99(xs: list[float]) -> dict[str, float]:
+        return {q: round(percentile(xs, v), 1) for q, v in (("p50", 50), ("p99", 99))}
+
+    return {
         "offered_events_per_s": rate or "max",
-        "events_emitted": total, "events_delivered": sink.events, "complete": ok,
-        "segments": sink.segments,
+        "events_emitted": total, "events_delivered": sink.events, "complete": complete,
+        **extra,
         "emit_events_per_s": prod["emit_events_per_s"],
         "end_to_end_events_per_s": round(sink.events / span_s),
         "latency_ms": {"p50": round(percentile(lat, 50), 1), "p90": round(percentile(lat, 90), 1),
                        "p99": round(percentile(lat, 99), 1), "max": round(max(lat, default=0), 1),
                        "mean": round(statistics.fmean(lat), 1) if lat else None},
         "latency_split_ms": {
-            "event_to_worker_output": {q: round(percentile(sink.to_worker_ms, v), 1)
-                                       for q, v in (("p50", 50), ("p99", 99))},
-            "worker_output_to_trainer": {q: round(percentile(sink.to_trainer_ms, v), 1)
-                                         for q, v in (("p50", 50), ("p99", 99))},
+            f"event_to_{mid}_output": p50_p99(sink.to_worker_ms),
+            f"{mid}_output_to_{last}": p50_p99(sink.to_trainer_ms),
         },
-        "cpu_s": {"producer": prod["cpu_s"], "worker": round(w_cpu, 2),
-                  "trainer": round(t_cpu, 2)},
+        "cpu_s": {"producer": prod["cpu_s"], mid: round(mid_cpu, 2), last: round(last_cpu, 2)},
         "events_per_cpu_s": {"producer": prod["events_per_cpu_s"],
-                             "worker": round(total / w_cpu) if w_cpu else None,
-                             "trainer": round(total / t_cpu) if t_cpu else None},
+                             mid: round(total / mid_cpu) if mid_cpu else None,
+                             last: round(total / last_cpu) if last_cpu else None},
     }
 
 
@@ -664,29 +676,8 @@ async def peer_phase(args: argparse.Namespace, topic: str, consumer: PeerConsume
     ok = await consumer.wait_for(phase, total, timeout=max(60.0, total / 2000))
     l_cpu, c_cpu = proc_cpu_s(loop_pid) - l_cpu0, time.process_time() - c_cpu0
     sink = consumer.sinks.get(phase, Sink())
-    span_s = max(1e-9, (sink.last_ms - prod["t_first_emit_ms"]) / 1000)
-    lat = sink.latencies_ms
-    return {
-        "offered_events_per_s": rate or "max", "events_emitted": total,
-        "events_delivered": sink.events, "complete": ok,
-        "duplicates": consumer.duplicates.get(phase, 0),
-        "emit_events_per_s": prod["emit_events_per_s"],
-        "end_to_end_events_per_s": round(sink.events / span_s),
-        "latency_ms": {"p50": round(percentile(lat, 50), 1), "p90": round(percentile(lat, 90), 1),
-                       "p99": round(percentile(lat, 99), 1), "max": round(max(lat, default=0), 1),
-                       "mean": round(statistics.fmean(lat), 1) if lat else None},
-        "latency_split_ms": {
-            "event_to_loop_output": {q: round(percentile(sink.to_worker_ms, v), 1)
-                                     for q, v in (("p50", 50), ("p99", 99))},
-            "loop_output_to_consumer": {q: round(percentile(sink.to_trainer_ms, v), 1)
-                                        for q, v in (("p50", 50), ("p99", 99))},
-        },
-        "cpu_s": {"producer": prod["cpu_s"], "loop": round(l_cpu, 2),
-                  "consumer": round(c_cpu, 2)},
-        "events_per_cpu_s": {"producer": prod["events_per_cpu_s"],
-                             "loop": round(total / l_cpu) if l_cpu else None,
-                             "consumer": round(total / c_cpu) if c_cpu else None},
-    }
+    return phase_report(rate, prod, ok, sink, ("loop", l_cpu), ("consumer", c_cpu),
+                        {"duplicates": consumer.duplicates.get(phase, 0)})
 
 
 async def peer_pipeline(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
