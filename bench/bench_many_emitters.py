@@ -1,0 +1,271 @@
+"""Many emitters in one process (issue 18, item 4): CPU of N emitters at 1 event/s each.
+
+    python bench/bench_many_emitters.py --json out.json [--bootstrap HOST:PORT]
+        [--emitters 1000] [--rate 1.0] [--seconds 25] [--rounds 1] [--trajbus-ref REF ...]
+
+One child process per measurement runs ``--emitters`` :class:`SandboxEmitter` s on one event
+loop (fsync durability, the process's shared producer, one state directory each), each
+emitting one ToolCall every ``1 / --rate`` seconds (phases spread over the period), for
+``--warmup`` seconds and then ``--seconds`` measured seconds. Reported per run: the process's
+**share of a core** over the measured window (user + sys from ``os.times()`` / wall), its
+split into user and sys, **events per CPU-second**, events emitted and acknowledged in the
+window, emit latency (call to return: "durable on return" waits for the journal's fsync) and,
+at the end, the **journal bytes on disk per emitter** (mean and max over the emitters' segment
+files) and how many events were still unacknowledged then.
+
+``--trajbus-ref REF`` adds a variant: the same child run with the package of git ``REF``
+(exported with ``git archive`` and laid out as installed, first on PYTHONPATH), alternating
+with the working tree's code round by round (``--rounds``), so both see the same load on a
+shared box. Goal (issue 18): 1,000 emitters at 1 event/s each <= 0.1 of a core.
+
+With ``--bootstrap`` it uses that broker, otherwise it starts its own (``LocalBroker``, free
+ports, temporary data directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+GOAL_CORE_SHARE = 0.1
+
+
+def _journal_bytes(state: Path) -> list[int]:
+    out = []
+    for d in sorted(state.iterdir()):
+        total = 0
+        for p in (d / "journal").glob("seg-*.log"):
+            try:
+                total += p.stat().st_size
+            except FileNotFoundError:
+                pass
+        out.append(total)
+    return out
+
+
+async def _child(a: argparse.Namespace) -> dict[str, Any]:
+    import trajbus.producers.emitter as emitter_mod
+    from trajbus.bus.producer import close_producer
+    from trajbus.bus.topics import Topics
+    from trajbus.producers.emitter import SandboxEmitter
+    from trajbus.producers.testing import create_topics, make_settings
+
+    settings = make_settings(a.bootstrap, a.prefix, partitions=a.partitions)
+    await create_topics(settings, [Topics(settings).sandbox_events])
+    state = Path(tempfile.mkdtemp(prefix="bench-many-emitters-"))
+    loop = asyncio.get_running_loop()
+    ems: list[Any] = []
+    for i in range(a.emitters):
+        em = SandboxEmitter(f"many-{i}", "bench", settings=settings, state_dir=state / f"{i:05d}")
+        await em.start()
+        ems.append(em)
+    await asyncio.gather(*(em.start_episode("e") for em in ems))
+    assert all(await asyncio.gather(*(em.flush(60) for em in ems)))
+
+    period = 1.0 / a.rate
+    t_start = loop.time() + 0.5
+    t_measure = t_start + a.warmup
+    t_end = t_measure + a.seconds
+    window: dict[str, Any] = {}
+    emitted = [0]
+    latencies: list[float] = []
+    args = {"path": "/workspace/src/main.py", "line": 42, "text": "x" * 40}
+
+    async def drive(i: int, em: Any) -> None:
+        nxt = t_start + period * i / len(ems)
+        while nxt < t_end:
+            delay = nxt - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            t = loop.time()
+            await em.tool_call("e", "edit_file", args)
+            if t >= t_measure:
+                emitted[0] += 1
+                if len(latencies) < 200_000:
+                    latencies.append(loop.time() - t)
+            nxt += period
+
+    async def marks() -> None:
+        await asyncio.sleep(max(0.0, t_measure - loop.time()))
+        window["t0"], window["c0"] = time.perf_counter(), os.times()
+        window["acked0"] = sum(em.acked_count for em in ems)
+        await asyncio.sleep(max(0.0, t_end - loop.time()))
+        window["t1"], window["c1"] = time.perf_counter(), os.times()
+        window["acked1"] = sum(em.acked_count for em in ems)
+
+    await asyncio.gather(marks(), *(drive(i, em) for i, em in enumerate(ems)))
+    wall = window["t1"] - window["t0"]
+    c0, c1 = window["c0"], window["c1"]
+    user, system = c1.user - c0.user, c1.system - c0.system
+    cpu = user + system
+    unacked_end = sum(em.pending_count for em in ems)
+    sender: dict[str, Any] = {}
+    with contextlib.suppress(ImportError):
+        from trajbus.producers.sender import shared_sender
+
+        sh = shared_sender()
+        sender = {"rounds": sh.rounds, "sync_rounds": sh.sync_rounds, "syncs": sh.syncs}
+    jb = _journal_bytes(state)  # before close: what a running node holds
+    ok = all(await asyncio.gather(*(em.flush(60) for em in ems)))
+    for em in ems:
+        await em.close(10)
+    await close_producer()
+    shutil.rmtree(state, ignore_errors=True)
+    latencies.sort()
+
+    def pct(p: float) -> float:
+        return round(latencies[min(len(latencies) - 1, int(p * len(latencies)))] * 1000, 2) \
+            if latencies else 0.0
+
+    return {
+        "emitters": a.emitters, "rate_per_emitter": a.rate, "seconds": round(wall, 2),
+        "core_share": round(cpu / wall, 4), "user_share": round(user / wall, 4),
+        "sys_share": round(system / wall, 4),
+        "events": emitted[0], "acked": window["acked1"] - window["acked0"],
+        "events_per_cpu_s": round(emitted[0] / cpu) if cpu else None,
+        "us_cpu_per_event": round(cpu / emitted[0] * 1e6, 1) if emitted[0] else None,
+        "emit_latency_ms": {"p50": pct(0.5), "p99": pct(0.99), "max": pct(1.0)},
+        "journal_bytes_per_emitter": {"mean": round(statistics.fmean(jb)), "max": max(jb)},
+        "unacked_at_end": unacked_end, "all_acked_after": ok,
+        "shared_sender": sender,
+        "code": str(Path(emitter_mod.__file__ or "?").parent),
+    }
+
+
+def export_ref(ref: str) -> Path:
+    """``git archive`` of ``ref`` laid out as the installed package (pyproject's package-dir),
+    in a temporary directory to put first on PYTHONPATH (as bench_worker.py does)."""
+    import tarfile
+    import tomllib
+
+    out = Path(tempfile.mkdtemp(prefix="bench-many-emitters-ref-"))
+    src, pkg = out / "src", out / "pkg"
+    blob = subprocess.run(["git", "archive", "--format=tar", ref], cwd=ROOT, check=True,
+                          capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(src, filter="data")
+    dirs = tomllib.loads((src / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"]
+    for name, folder in sorted(dirs.items()):
+        shutil.copytree(src / folder, pkg / name.replace(".", "/"), dirs_exist_ok=True)
+    return pkg
+
+
+def run_child(a: argparse.Namespace, bootstrap: str, tree: Path | None) -> dict[str, Any]:
+    out = Path(tempfile.mkstemp(prefix="bench-many-emitters-", suffix=".json")[1])
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--bootstrap", bootstrap,
+           "--prefix", f"bme-{uuid.uuid4().hex[:8]}", "--emitters", str(a.emitters),
+           "--rate", str(a.rate), "--seconds", str(a.seconds), "--warmup", str(a.warmup),
+           "--partitions", str(a.partitions), "--json", str(out)]
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    load0 = os.getloadavg()[0]
+    proc = subprocess.run(cmd, env=env, cwd=tree or ROOT, capture_output=True, text=True,
+                          timeout=a.seconds + a.warmup + 600)
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}", "stderr": proc.stderr[-2000:]}
+    res: dict[str, Any] = json.loads(out.read_text())
+    out.unlink(missing_ok=True)
+    res["load_average_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bootstrap", help="use this broker (default: start a local one)")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--emitters", type=int, default=1000)
+    ap.add_argument("--rate", type=float, default=1.0, help="events/s per emitter")
+    ap.add_argument("--seconds", type=float, default=25.0, help="measured seconds")
+    ap.add_argument("--warmup", type=float, default=5.0)
+    ap.add_argument("--partitions", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--trajbus-ref", action="append", default=[], metavar="REF",
+                    help="also run the code of this git ref, alternating with the working tree")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--prefix", default="bme", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        res = asyncio.run(_child(a))
+        assert a.json is not None
+        a.json.write_text(json.dumps(res))
+        return 0
+
+    sys.path.insert(0, str(ROOT))
+    broker = None
+    broker_dir: Path | None = None
+    bootstrap = a.bootstrap
+    trees = {ref: export_ref(ref) for ref in a.trajbus_ref}
+    variants: list[tuple[str, Path | None]] = [("working tree", None)]
+    variants += [(f"@{ref}", tree) for ref, tree in trees.items()]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
+    try:
+        if bootstrap is None:
+            from trajbus.infra.broker import LocalBroker, free_port
+
+            broker_dir = Path(tempfile.mkdtemp(prefix="bench-many-emitters-kafka-"))
+            broker = LocalBroker(data_dir=broker_dir, port=free_port(),
+                                 controller_port=free_port())
+            broker.start(timeout=120)
+            bootstrap = broker.bootstrap
+        for r in range(a.rounds):
+            order = variants if r % 2 == 0 else variants[::-1]
+            for name, tree in order:
+                res = run_child(a, bootstrap, tree)
+                res["round"] = r + 1
+                runs[name].append(res)
+                if "error" in res:
+                    print(f"[{name}] round {r + 1}: {res['error']}\n{res['stderr']}",
+                          flush=True)
+                    continue
+                print(f"[{name}] round {r + 1}: {res['emitters']} emitters at "
+                      f"{res['rate_per_emitter']:g}/s: {res['core_share']:.3f} of a core "
+                      f"(user {res['user_share']:.3f}, sys {res['sys_share']:.3f}), "
+                      f"{res['events_per_cpu_s']:,} events/CPU-s, {res['us_cpu_per_event']} us "
+                      f"CPU/event, emit p50/p99 {res['emit_latency_ms']['p50']}/"
+                      f"{res['emit_latency_ms']['p99']} ms, journal "
+                      f"{res['journal_bytes_per_emitter']['mean']:,} B/emitter (max "
+                      f"{res['journal_bytes_per_emitter']['max']:,}), unacked at end "
+                      f"{res['unacked_at_end']}, load {res['load_average_1m']}", flush=True)
+    finally:
+        if broker is not None:
+            broker.stop(timeout=30)
+        if broker_dir is not None:
+            shutil.rmtree(broker_dir, ignore_errors=True)
+        for tree in trees.values():
+            shutil.rmtree(tree.parent, ignore_errors=True)
+    ok = {n: [r for r in rs if "error" not in r] for n, rs in runs.items()}
+    cur = ok["working tree"]
+    best = min((r["core_share"] for r in cur), default=None)
+    worst = max((r["core_share"] for r in cur), default=None)
+    res_all: dict[str, Any] = {
+        "emitters": a.emitters, "rate_per_emitter": a.rate, "seconds": a.seconds,
+        "cpus": os.cpu_count(), "runs": runs,
+        "targets": [{"measure": f"{a.emitters} emitters at {a.rate:g} event/s each, share of a "
+                                "core (worst round)", "result": worst,
+                     "target": f"<= {GOAL_CORE_SHARE}",
+                     "met": worst is not None and worst <= GOAL_CORE_SHARE}],
+    }
+    print(f"working tree: share of a core {best}-{worst} (goal <= {GOAL_CORE_SHARE})")
+    if a.json:
+        a.json.write_text(json.dumps(res_all, indent=2) + "\n")
+    return 0 if cur else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
