@@ -61,7 +61,7 @@ Ref = tuple[str, int, int]  # (object key, first row group, last row group)
 
 def content_digest(raw: bytes) -> int:
     """blake2b-64 of the record bytes as an unsigned int, never 0: the same digest the reorder
-    worker compares (``consumers.reorder.content_digest``)."""
+    worker compares (``trajbus.consumers.replay.core.content_digest``)."""
     d = int.from_bytes(hashlib.blake2b(raw, digest_size=DIGEST_SIZE).digest(), "little")
     return d or 1
 

@@ -9,7 +9,7 @@ prefix, and measures:
    A producer subprocess (this script with ``--produce``) drives ``--sandboxes``
    :class:`~trajbus.producers.emitter.SandboxEmitter` s (journal, fsync group commit, the shared
    idempotent producer) at the offered rate; the trainer side (this process) reads the replay
-   topic with a :class:`~trajbus.consumers.replay_client.ReplayClient` (read_committed,
+   topic with a :class:`~trajbus.consumers.replay.client.ReplayClient` (read_committed,
    acknowledging every segment). Latency of an event = wall-clock time the trainer receives it
    - its ``event_time_ms`` (stamped by the emitter when the event is created; same host, same
    clock). Throughput = events delivered / (last delivery - first emission). CPU seconds of
@@ -192,7 +192,7 @@ def replay_client(settings: Settings, task: str, group: str, max_in_flight: int,
     i.e. one broker round trip per segment (and the reorder fast path emits one-event
     segments). Acknowledgement semantics are unchanged: a crash re-delivers at most the
     acknowledged-but-uncommitted tail, which the trainer's dedupe drops."""
-    from trajbus.consumers.replay_client import ReplayClient
+    from trajbus.consumers.replay.client import ReplayClient
 
     class CoalescingReplayClient(ReplayClient):
         _last_commit = 0.0

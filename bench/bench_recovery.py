@@ -370,8 +370,8 @@ class WorkerProc:
 def import_time() -> float:
     """Wall seconds of the worker's imports in a fresh interpreter (the first stretch of a
     restart that the worker's log cannot show)."""
-    code = ("import trajbus.cli, trajbus.consumers.cli, trajbus.consumers.runner, "
-            "trajbus.consumers.processors")
+    code = ("import trajbus.cli, trajbus.consumers.engine.cli, trajbus.consumers.engine.runner, "
+            "trajbus.consumers.engine.processors")
     t = time.monotonic()
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
     return round(time.monotonic() - t, 2)

@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trajbus.bus.settings import ReplaySettings
-from trajbus.consumers.reorder import InEvent, ReorderCore, content_digest
+from trajbus.consumers.replay.core import InEvent, ReorderCore, content_digest
 
 PAYLOAD = 200  # bytes per synthetic event (a small tool call)
 

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from trajbus.bus.settings import SchedulerSettings
-from trajbus.consumers.scheduler import REPLAY_ACK, DecisionOut, SchedulerCore
+from trajbus.consumers.scheduler.core import REPLAY_ACK, DecisionOut, SchedulerCore
 
 T0 = 1_700_000_000_000
 Event = tuple[str, dict[str, Any]]

@@ -41,8 +41,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from trajbus.bus.settings import WatchdogSettings
-from trajbus.consumers.canonical import canonical_hash, canonical_json
-from trajbus.consumers.watchdog import AlertOut, DecisionOut, WatchdogCore
+from trajbus.consumers.watchdog.canonical import canonical_hash, canonical_json
+from trajbus.consumers.watchdog.core import AlertOut, DecisionOut, WatchdogCore
 
 GOAL_EVENTS_PER_S = 200_000
 GOAL_BYTES = 2048

@@ -322,7 +322,7 @@ async def trainer_view(settings: Settings, tasks: list[str], group: str,
                        settle_s: float = 1.5) -> TrainerView:
     """Run a ReplayClient until ``until(view)`` holds, then keep reading ``settle_s`` more
     seconds (a late duplicate would show), acknowledging every segment."""
-    from trajbus.consumers.replay_client import ReplayClient
+    from trajbus.consumers.replay.client import ReplayClient
 
     view = view or TrainerView()
 
@@ -408,7 +408,7 @@ class LiveTrainer:
         return self
 
     async def _run(self) -> None:
-        from trajbus.consumers.replay_client import ReplayClient
+        from trajbus.consumers.replay.client import ReplayClient
 
         try:
             async with ReplayClient(self.tasks, self.group, self.settings) as client:

@@ -28,8 +28,8 @@ from support import consume_until, make_episodes, produce, settings_for
 from trajbus.bus.admin import ensure_base_topics
 from trajbus.bus.settings import ReplaySettings
 from trajbus.bus.topics import Topics
-from trajbus.consumers.processors import ReorderProcessor
-from trajbus.consumers.runner import InRecord
+from trajbus.consumers.engine.processors import ReorderProcessor
+from trajbus.consumers.engine.runner import InRecord
 from trajbus.infra.broker import free_port
 from trajbus.schemas import models as m
 from trajbus.schemas.codec import default_codec

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from trajbus.bus.settings import ReplaySettings, Settings, TopicSettings
 from trajbus.bus.topics import Topics
-from trajbus.consumers.processors import ReorderProcessor
-from trajbus.consumers.runner import InRecord, OutRecord
+from trajbus.consumers.engine.processors import ReorderProcessor
+from trajbus.consumers.engine.runner import InRecord, OutRecord
 from trajbus.schemas import models as m
 from trajbus.schemas.codec import default_codec
 

@@ -19,7 +19,7 @@ from support import Worker, consume_until, env_for, make_episodes, produce, sett
 from trajbus.bus.admin import ensure_topics
 from trajbus.bus.settings import SchedulerSettings, Settings
 from trajbus.bus.topics import Topics
-from trajbus.consumers.operator import (
+from trajbus.consumers.operator.tools import (
     debug_replay_task,
     explain,
     group_offsets,
@@ -28,7 +28,7 @@ from trajbus.consumers.operator import (
     restore_scheduler,
     watchdog_explain,
 )
-from trajbus.consumers.replay_client import ReplayClient
+from trajbus.consumers.replay.client import ReplayClient
 from trajbus.schemas import models as m
 from trajbus.schemas.codec import default_codec
 
@@ -249,7 +249,7 @@ def test_cli_help_and_events_command(kafka_broker: object, unique_name: str) -> 
     settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
     script = (
         "import argparse, sys\n"
-        "from trajbus.consumers import operator_cli\n"
+        "from trajbus.consumers.operator import cli as operator_cli\n"
         "p = argparse.ArgumentParser(prog='trajbus')\n"
         "sub = p.add_subparsers()\n"
         "operator_cli.register(sub)\n"

@@ -32,7 +32,7 @@ from support import (
 from trajbus.bus.admin import ensure_base_topics
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
-from trajbus.consumers.operator import (
+from trajbus.consumers.operator.tools import (
     DerivedRecord,
     ExplainedItem,
     Explanation,

@@ -13,8 +13,8 @@ import pytest
 from support import make_episodes, shuffled_with_duplicates
 
 from trajbus.bus.settings import ReplaySettings, Settings
-from trajbus.consumers.processors import ReorderProcessor
-from trajbus.consumers.runner import InRecord, OutRecord
+from trajbus.consumers.engine.processors import ReorderProcessor
+from trajbus.consumers.engine.runner import InRecord, OutRecord
 from trajbus.schemas import models as m
 from trajbus.schemas.codec import default_codec
 

@@ -1,4 +1,4 @@
-"""Specification of the replay reorder core (trajbus.consumers.reorder.ReorderCore).
+"""Specification of the replay reorder core (trajbus.consumers.replay.core.ReorderCore).
 
 The core turns shuffled, duplicated episode events into ordered, deduplicated replay
 segments; it is pure (time only from event times and ticks) and its state round-trips
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trajbus.bus.settings import ReplaySettings
-from trajbus.consumers.reorder import (
+from trajbus.consumers.replay.core import (
     CLOCK_KEY,
     DeadLetterOut,
     InEvent,
@@ -552,7 +552,7 @@ def test_same_log_gives_identical_outputs_and_segment_bytes() -> None:
 
 
 def test_from_decoded_and_replay_segment_model_round_trip() -> None:
-    from trajbus.consumers.reorder import replay_segment
+    from trajbus.consumers.replay.core import replay_segment
     from trajbus.schemas.codec import default_codec
     from trajbus.schemas.models import (
         Drained,

@@ -21,8 +21,8 @@ import hashlib
 from typing import Any
 
 from trajbus.bus.settings import ReplaySettings, Settings
-from trajbus.consumers.processors import ReorderProcessor
-from trajbus.consumers.runner import InRecord, OutRecord
+from trajbus.consumers.engine.processors import ReorderProcessor
+from trajbus.consumers.engine.runner import InRecord, OutRecord
 from trajbus.schemas import models as m
 from trajbus.schemas.codec import default_codec
 

@@ -12,7 +12,7 @@ from support import settings_for
 from trajbus.bus.admin import ensure_topics
 from trajbus.bus.producer import close_producer, get_producer
 from trajbus.bus.topics import TopicSpec
-from trajbus.consumers.runner import InRecord, OutRecord, ProcessorSpec, Runner
+from trajbus.consumers.engine.runner import InRecord, OutRecord, ProcessorSpec, Runner
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(90)]
 
@@ -76,7 +76,7 @@ async def test_the_changelog_is_created_to_be_compacted_promptly(kafka_broker,
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
     from trajbus.bus.kafka import connection_options
-    from trajbus.consumers.runner import CHANGELOG_CONFIGS
+    from trajbus.consumers.engine.runner import CHANGELOG_CONFIGS
 
     settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=1)
     spec = ProcessorSpec(name="rec", input_topics=[f"{unique_name}.in"], factory=Recording)
@@ -149,7 +149,7 @@ async def test_restore_takes_a_transaction_pending_for_long_as_abandoned(
     proceeds with the committed state instead of stalling failover for the timeout."""
     import time
 
-    from trajbus.consumers.runner import RESTORE_PENDING_TXN_WAIT_S
+    from trajbus.consumers.engine.runner import RESTORE_PENDING_TXN_WAIT_S
 
     runner, owner = await _runner_and_previous_owner(kafka_broker.bootstrap, unique_name,
                                                      "dead-owner")

@@ -32,7 +32,7 @@ from support import settings_for
 from trajbus.bus.admin import ensure_topics
 from trajbus.bus.producer import close_producer, get_producer
 from trajbus.bus.topics import TopicSpec
-from trajbus.consumers.runner import TICK_KEY, InRecord, OutRecord, ProcessorSpec, Runner
+from trajbus.consumers.engine.runner import TICK_KEY, InRecord, OutRecord, ProcessorSpec, Runner
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(90)]
 

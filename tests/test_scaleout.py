@@ -24,7 +24,7 @@ from support import Worker, make_episodes, produce, settings_for, shuffled_with_
 from trajbus.bus.admin import ensure_base_topics
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
-from trajbus.consumers.replay_client import ReplayClient
+from trajbus.consumers.replay.client import ReplayClient
 from trajbus.schemas.codec import default_codec
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(420)]

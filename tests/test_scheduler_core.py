@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trajbus.bus.settings import SchedulerSettings
-from trajbus.consumers.scheduler import (
+from trajbus.consumers.scheduler.core import (
     REPLAY_ACK,
     DeadLetterOut,
     DecisionOut,

@@ -21,7 +21,7 @@ from support import settings_for
 
 from trajbus.bus.admin import ensure_base_topics
 from trajbus.bus.topics import Topics
-from trajbus.consumers.replay_client import ReplayClient
+from trajbus.consumers.replay.client import ReplayClient
 from trajbus.schemas import models as m
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]

@@ -19,7 +19,7 @@ from replay_support import create_replay_topic, publish_replay
 from support import REPO, Episode, env_for, make_episodes, settings_for
 
 from trajbus.bus.settings import KafkaSettings, Settings
-from trajbus.consumers.replay_client import (
+from trajbus.consumers.replay.client import (
     ALL_TASKS,
     ReplayClient,
     SyncReplayClient,

@@ -14,13 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trajbus.bus.settings import WatchdogSettings
-from trajbus.consumers.canonical import (
+from trajbus.consumers.watchdog.canonical import (
     CanonicalError,
     Canonicalizer,
     canonical_hash,
     canonical_json,
 )
-from trajbus.consumers.watchdog import (
+from trajbus.consumers.watchdog.core import (
     AlertOut,
     DeadLetterOut,
     DecisionOut,

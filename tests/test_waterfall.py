@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from trajbus.consumers.operator import TimelineEntry, entry_from_decoded
-from trajbus.consumers.waterfall import (
+from trajbus.consumers.operator.tools import TimelineEntry, entry_from_decoded
+from trajbus.consumers.operator.waterfall import (
     THINK,
     build_waterfall,
     chromium_command,

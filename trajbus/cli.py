@@ -18,10 +18,10 @@ COMMAND_MODULES = (
     "trajbus.infra.cli",
     "trajbus.bus.cli",
     "trajbus.producers.cli",
-    "trajbus.consumers.cli",
+    "trajbus.consumers.engine.cli",
     "trajbus.archive.cli",
-    "trajbus.consumers.operator_cli",
-    "trajbus.consumers.inspect_cli",
+    "trajbus.consumers.operator.cli",
+    "trajbus.consumers.operator.inspect_cli",
     "trajbus.demo",
 )
 

@@ -233,7 +233,7 @@ def _start_worker(settings: Settings, log_path: Path) -> subprocess.Popen[bytes]
 
 async def _trainer(settings: Settings, seed: int, view: View, started: float,
                    stop: asyncio.Event) -> None:
-    from trajbus.consumers.replay_client import ReplayClient
+    from trajbus.consumers.replay.client import ReplayClient
 
     async with ReplayClient(TASKS, f"demo-trainer-{seed}", settings) as client:
         prefix = f"sb-{seed}-"
@@ -319,7 +319,7 @@ class ReplayTopics:
 
 
 async def _replay_topics(settings: Settings) -> ReplayTopics:
-    from trajbus.consumers.operator import read_records
+    from trajbus.consumers.operator.tools import read_records
 
     codec = default_codec()
     out = ReplayTopics()
@@ -378,9 +378,9 @@ async def _waterfall(settings: Settings, view: View, work: Path) -> Path | None:
         return None
     sandbox, episode = view.sample
     try:
-        from trajbus.consumers import operator, waterfall
+        from trajbus.consumers.operator import tools, waterfall
 
-        entries = await operator.read_sandbox_log(settings, sandbox, episode)
+        entries = await tools.read_sandbox_log(settings, sandbox, episode)
         out = work / f"waterfall-{sandbox}-{episode}.html"
         out.write_text(waterfall.render_html(entries))
         return out

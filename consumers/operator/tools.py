@@ -61,7 +61,7 @@ from trajbus.bus.errors import NotFoundError, UserError, existing
 from trajbus.bus.kafka import check_broker, connection_options
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics, episode_record_key
-from trajbus.consumers.runner import InRecord, OutRecord
+from trajbus.consumers.engine.runner import InRecord, OutRecord
 from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
 
 __all__ = [
@@ -765,7 +765,7 @@ class _Rerun:
 
 
 def _reruns(settings: Settings, notes: list[str]) -> list[_Rerun]:
-    from trajbus.consumers import processors
+    from trajbus.consumers.engine import processors
 
     out = []
     sspec = processors.scheduler_spec(settings)
@@ -781,7 +781,7 @@ def _reruns(settings: Settings, notes: list[str]) -> list[_Rerun]:
         out.append(_Rerun("watchdog", Topics(settings).input_topics, None,
                           lambda: wcls(settings), False))
     else:
-        notes.append("watchdog not re-run: trajbus.consumers.processors has no "
+        notes.append("watchdog not re-run: trajbus.consumers.engine.processors has no "
                      "WatchdogProcessor yet; recorded watchdog alerts/decisions are listed "
                      "as 'unchecked'")
     return out
@@ -1088,7 +1088,7 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
     transaction markers excluded) per input topic; dead letters retained; the replay topics
     with their sizes."""
     from trajbus.bus.inventory import describe_group
-    from trajbus.consumers import processors
+    from trajbus.consumers.engine import processors
 
     await check_broker(settings.kafka)
     topics = Topics(settings)
@@ -1128,7 +1128,7 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
 async def restore_scheduler(settings: Settings) -> Any:
     """A SchedulerCore rebuilt from the committed ``<prefix>.scheduler.state`` changelog (the
     latest record per key; tombstones delete), configured as the worker configures it."""
-    from trajbus.consumers.processors import SchedulerProcessor
+    from trajbus.consumers.engine.processors import SchedulerProcessor
 
     await check_broker(settings.kafka)
     parts = await read_records(settings, [f"{settings.topics.prefix}.scheduler.state"])
@@ -1148,7 +1148,7 @@ async def watchdog_explain(settings: Settings, sandbox: str, episode: str | None
     ended episodes are no longer tracked there). ``from_log``: a fresh core fed the sandbox's
     timeline from Kafka *without* its EpisodeEnd and DRAINING/RECYCLED events, so it explains
     finished episodes too ("why did the loop rule (not) fire during this episode")."""
-    from trajbus.consumers.watchdog import WatchdogCore, state_key
+    from trajbus.consumers.watchdog.core import WatchdogCore, state_key
 
     core = WatchdogCore(settings.watchdog, getattr(settings.watchdog, "per_task", None))
     if from_log:
@@ -1271,7 +1271,7 @@ async def watchdog_history(settings: Settings, sandbox: str, episode: str | None
     just before the episode's end, and, for an episode still open at the end of the log (a
     truncated one), its last state. Sandbox-level DRAINING/RECYCLED events are left out: they
     end every stream of the sandbox, and the timeline lists them before the episodes."""
-    from trajbus.consumers.watchdog import AlertOut, DecisionOut, WatchdogCore
+    from trajbus.consumers.watchdog.core import AlertOut, DecisionOut, WatchdogCore
 
     entries = await read_sandbox_log(settings, sandbox, episode=episode, must_exist=True)
     core = WatchdogCore(settings.watchdog, getattr(settings.watchdog, "per_task", None),

@@ -80,16 +80,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def register_replay_more(rsub: argparse._SubParsersAction) -> None:
     """Operators' replay subcommands: events, explain, republish, waterfall."""
     try:
-        from trajbus.consumers import operator_cli
+        from trajbus.consumers.operator import cli as operator_cli
     except ModuleNotFoundError as exc:
-        if exc.name != "trajbus.consumers.operator_cli":
+        if exc.name != "trajbus.consumers.operator.cli":
             raise
         return
     operator_cli.register_replay(rsub)
 
 
 def build_specs(settings: Settings, names: list[str]) -> list[Any]:
-    from trajbus.consumers import processors
+    from trajbus.consumers.engine import processors
 
     specs = []
     for name in names:
@@ -102,7 +102,7 @@ def build_specs(settings: Settings, names: list[str]) -> list[Any]:
 
 async def run_workers(settings: Settings, names: list[str], worker_id: str,
                       until_idle: float | None = None) -> dict[str, int]:
-    from trajbus.consumers.runner import Runner
+    from trajbus.consumers.engine.runner import Runner
 
     runners = [Runner(settings, spec, worker_id) for spec in build_specs(settings, names)]
     loop = asyncio.get_running_loop()
@@ -133,7 +133,7 @@ def _worker(args: argparse.Namespace) -> int:
         return 2
     names = [n.strip() for n in args.processors.split(",") if n.strip()]
     if args.metrics_port:
-        from trajbus.consumers.metrics import start_http_server
+        from trajbus.consumers.engine.metrics import start_http_server
 
         start_http_server(args.metrics_port, addr="127.0.0.1")
     counts = asyncio.run(run_workers(get_settings(), names, args.worker_id, args.until_idle))
@@ -146,7 +146,7 @@ def _replay_tail(args: argparse.Namespace) -> int:
 
     from trajbus.bus.errors import existing
     from trajbus.bus.inventory import list_tasks
-    from trajbus.consumers.replay_client import ALL_TASKS, ReplayClient
+    from trajbus.consumers.replay.client import ALL_TASKS, ReplayClient
 
     group = args.group or f"trajbus-tail-{uuid.uuid4().hex[:8]}"
     tasks = [*args.task, *([ALL_TASKS] if args.all_tasks else [])]

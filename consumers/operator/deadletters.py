@@ -31,7 +31,7 @@ from trajbus.bus.kafka import check_broker
 from trajbus.bus.positions import iso
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
-from trajbus.consumers.operator import _jsonable, read_records, shorten_ids, summarize
+from trajbus.consumers.operator.tools import _jsonable, read_records, shorten_ids, summarize
 from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
 
 REDRIVE_HEADER = "trajbus-redriven-from"

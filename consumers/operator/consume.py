@@ -26,7 +26,7 @@ from trajbus.bus.kafka import connection_options
 from trajbus.bus.positions import iso, resolve_offsets
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
-from trajbus.consumers.operator import _jsonable, humanize, summarize
+from trajbus.consumers.operator.tools import _jsonable, humanize, summarize
 from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
 
 

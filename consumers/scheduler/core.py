@@ -71,7 +71,7 @@ Inputs (``handle(kind, record)``; ``record["header"]`` is the Envelope)
     is kept. The shell derives it from each ``ReplaySegment`` it sees for a sandbox with
     ``gap`` null (``sandbox, episode = header.sandbox, header.episode``, ``last_seq``).
 ``NodeReport``
-    Node headroom (see :mod:`trajbus.consumers.scheduler_placement` for how reports combine with
+    Node headroom (see :mod:`trajbus.consumers.scheduler.placement` for how reports combine with
     reservations). A report older than the node's last one is ignored.
 ``SandboxRequest``
     The sandbox id is ``header.sandbox``. Outcomes: ``PLACE`` (reserves CPU/memory/GPU on the
@@ -133,7 +133,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trajbus.bus.settings import SchedulerSettings
-from trajbus.consumers.scheduler_placement import EPS, NodeState, Placement, Placer, _clean
+from trajbus.consumers.scheduler.placement import EPS, NodeState, Placement, Placer, _clean
 from trajbus.schemas.models import DecisionKind, Envelope, SchedulingDecision
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Step-time waterfall of an episode: where the time went, per tool call.
 
-Built from an episode's timeline (:func:`trajbus.consumers.operator.read_sandbox_log`):
+Built from an episode's timeline (:func:`trajbus.consumers.operator.tools.read_sandbox_log`):
 
 * a **step** is a ``ToolCall`` and the ``ToolResult`` with the same ``call_id``. Its duration
   is the result's ``duration_ms`` (measured by the sidecar) when positive, else the event-time
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trajbus.consumers.operator import TimelineEntry
+from trajbus.consumers.operator.tools import TimelineEntry
 
 __all__ = [
     "PngUnavailableError",

@@ -161,7 +161,7 @@ def _add_source(p: argparse.ArgumentParser) -> None:
 
 # -- handlers --------------------------------------------------------------------------------
 def _events(args: argparse.Namespace) -> int:
-    from trajbus.consumers.operator import read_sandbox_log
+    from trajbus.consumers.operator.tools import read_sandbox_log
 
     entries = asyncio.run(read_sandbox_log(get_settings(), args.sandbox, episode=args.episode,
                                            from_ms=args.from_, to_ms=args.to,
@@ -179,7 +179,7 @@ def _events(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from trajbus.consumers.operator import explain
+    from trajbus.consumers.operator.tools import explain
 
     result = asyncio.run(explain(get_settings(), args.sandbox))
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.render())
@@ -187,7 +187,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _republish(args: argparse.Namespace) -> int:
-    from trajbus.consumers.operator import debug_replay_task, republish
+    from trajbus.consumers.operator.tools import debug_replay_task, republish
 
     r = asyncio.run(republish(get_settings(), args.task, args.sandbox, args.episode,
                               to_topic=args.to_topic, source=args.source))
@@ -201,8 +201,8 @@ def _republish(args: argparse.Namespace) -> int:
 
 
 def _waterfall(args: argparse.Namespace) -> int:
-    from trajbus.consumers.operator import read_sandbox_log
-    from trajbus.consumers.waterfall import (
+    from trajbus.consumers.operator.tools import read_sandbox_log
+    from trajbus.consumers.operator.waterfall import (
         PngUnavailableError,
         build_waterfall,
         render_html,
@@ -241,7 +241,7 @@ def _ranges(ps: list[int]) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from trajbus.consumers.operator import fleet_status
+    from trajbus.consumers.operator.tools import fleet_status
 
     st = asyncio.run(fleet_status(get_settings()))
     if args.json:
@@ -281,7 +281,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _scheduler_status(args: argparse.Namespace) -> int:
     from trajbus.bus.positions import duration, iso
-    from trajbus.consumers.operator import restore_scheduler
+    from trajbus.consumers.operator.tools import restore_scheduler
 
     core = asyncio.run(restore_scheduler(get_settings()))
     st: dict[str, Any] = core.status()
@@ -332,11 +332,11 @@ def _scheduler_status(args: argparse.Namespace) -> int:
 
 
 def _watchdog_explain(args: argparse.Namespace) -> int:
-    from trajbus.consumers.operator import watchdog_explain
+    from trajbus.consumers.operator.tools import watchdog_explain
 
     settings = get_settings()
     if args.from_log:
-        from trajbus.consumers.operator import watchdog_history
+        from trajbus.consumers.operator.tools import watchdog_history
 
         histories = asyncio.run(watchdog_history(settings, args.sandbox, args.episode))
         for h in histories:
@@ -348,7 +348,7 @@ def _watchdog_explain(args: argparse.Namespace) -> int:
     found = asyncio.run(watchdog_explain(settings, args.sandbox, args.episode))
     if not found:
         from trajbus.bus.errors import NotFoundError, existing
-        from trajbus.consumers.operator import sandboxes_in_log
+        from trajbus.consumers.operator.tools import sandboxes_in_log
 
         known = asyncio.run(sandboxes_in_log(settings))
         if args.sandbox not in known:

@@ -15,7 +15,7 @@ Streams
 
 Call identity
     A call is ``(tool, args fingerprint)``. The fingerprint is the canonical hash
-    (:mod:`trajbus.consumers.canonical`) with the task's ``ignore_fields`` removed: when
+    (:mod:`trajbus.consumers.watchdog.canonical`) with the task's ``ignore_fields`` removed: when
     ``args_canonical`` is present and mentions an ignored field, it is recomputed from that text;
     otherwise ``args_hash`` is used (by the event contract it is the SHA-256 of
     ``args_canonical``). With ``trust_canonical=False`` every ``args_canonical`` is fully
@@ -80,7 +80,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trajbus.bus.settings import WatchdogSettings
-from trajbus.consumers.canonical import CanonicalError, Canonicalizer, canonicalizer
+from trajbus.consumers.watchdog.canonical import CanonicalError, Canonicalizer, canonicalizer
 
 __all__ = [
     "AlertOut",

@@ -46,7 +46,7 @@ from trajbus.bus.kafka import check_broker, connection_options
 from trajbus.bus.producer import producer_options
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics, TopicSpec
-from trajbus.consumers import metrics
+from trajbus.consumers.engine import metrics
 from trajbus.schemas.models import Envelope, Tick
 
 log = logging.getLogger("trajbus.runner")

@@ -18,8 +18,8 @@ from trajbus.bus.kafka import check_broker
 from trajbus.bus.positions import ago, duration, iso
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
-from trajbus.consumers.consume import consume
-from trajbus.consumers.operator import humanize, short_id
+from trajbus.consumers.operator.consume import consume
+from trajbus.consumers.operator.tools import humanize, short_id
 from trajbus.schemas.codec import default_codec
 
 DEFAULT_KINDS = ("LOOP", "LOOP_ENDED", "STALL", "TERMINATE", "ANOMALY", "RECLAIM",

@@ -73,7 +73,12 @@ def _register_consume(sub: argparse._SubParsersAction) -> None:
 def _consume(args: argparse.Namespace) -> int:
     from trajbus.bus.inventory import topic_names
     from trajbus.bus.kafka import check_broker
-    from trajbus.consumers.consume import RecordFilter, consume, parse_partitions, resolve_topic
+    from trajbus.consumers.operator.consume import (
+        RecordFilter,
+        consume,
+        parse_partitions,
+        resolve_topic,
+    )
 
     settings = get_settings()
     start = parse_start(args.start)
@@ -177,7 +182,7 @@ def _register_deadletters(sub: argparse._SubParsersAction) -> None:
 
 
 def _dl_read(args: argparse.Namespace) -> list[Any]:
-    from trajbus.consumers.deadletters import read_dead_letters, select
+    from trajbus.consumers.operator.deadletters import read_dead_letters, select
 
     dls = asyncio.run(read_dead_letters(get_settings()))
     if not hasattr(args, "stage"):
@@ -189,7 +194,7 @@ def _dl_read(args: argparse.Namespace) -> list[Any]:
 
 def _dl_counts(args: argparse.Namespace) -> int:
     from trajbus.bus.topics import Topics
-    from trajbus.consumers.deadletters import counts, stage_reason_table
+    from trajbus.consumers.operator.deadletters import counts, stage_reason_table
 
     dls = _dl_read(args)
     rows = counts(dls)
@@ -220,7 +225,7 @@ def _dl_list(args: argparse.Namespace) -> int:
 
 
 def _dl_show(args: argparse.Namespace) -> int:
-    from trajbus.consumers.deadletters import find
+    from trajbus.consumers.operator.deadletters import find
 
     d = find(_dl_read(args), args.id)
     print(json.dumps(d.to_dict(args.expand), indent=2) if args.json else d.render())
@@ -229,7 +234,7 @@ def _dl_show(args: argparse.Namespace) -> int:
 
 def _dl_redrive(args: argparse.Namespace) -> int:
     from trajbus.bus.errors import UserError
-    from trajbus.consumers.deadletters import find, redrive
+    from trajbus.consumers.operator.deadletters import find, redrive
 
     filtered = bool(args.stage or args.reason or args.task or args.sandbox or args.since)
     if not (args.ids or filtered or args.all):
@@ -251,7 +256,7 @@ def _dl_redrive(args: argparse.Namespace) -> int:
 
 # -- alerts ----------------------------------------------------------------------------------
 def _register_alerts(sub: argparse._SubParsersAction) -> None:
-    from trajbus.consumers.alerts import DEFAULT_KINDS
+    from trajbus.consumers.operator.alerts import DEFAULT_KINDS
 
     a = sub.add_parser(
         "alerts", help="recent loops, terminations, anomalies, reclaims, recycles with loss",
@@ -277,7 +282,7 @@ def _register_alerts(sub: argparse._SubParsersAction) -> None:
 
 
 def _alerts(args: argparse.Namespace) -> int:
-    from trajbus.consumers.alerts import DEFAULT_KINDS, happenings, headline
+    from trajbus.consumers.operator.alerts import DEFAULT_KINDS, happenings, headline
     from trajbus.schemas.models import AlertKind, DecisionKind
 
     known = {k.value for k in AlertKind} | {k.value for k in DecisionKind}

@@ -14,8 +14,9 @@ from typing import Any
 from trajbus.bus import deadletter
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics, TopicSpec, episode_record_key, validate_name
-from trajbus.consumers import metrics
-from trajbus.consumers.reorder import (
+from trajbus.consumers.engine import metrics
+from trajbus.consumers.engine.runner import InRecord, OutRecord, ProcessorSpec
+from trajbus.consumers.replay.core import (
     DeadLetterOut,
     InEvent,
     LateOut,
@@ -23,7 +24,6 @@ from trajbus.consumers.reorder import (
     SegmentOut,
     segment_record,
 )
-from trajbus.consumers.runner import InRecord, OutRecord, ProcessorSpec
 from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
 
 
@@ -315,8 +315,8 @@ class SchedulerProcessor(_Adapter):
     })
 
     def __init__(self, settings: Settings, codec: Codec | None = None) -> None:
-        from trajbus.consumers.reorder import ReorderCore
-        from trajbus.consumers.scheduler import SchedulerCore
+        from trajbus.consumers.replay.core import ReorderCore
+        from trajbus.consumers.scheduler.core import SchedulerCore
 
         super().__init__(settings, codec)
         s = settings.scheduler
@@ -340,7 +340,7 @@ class SchedulerProcessor(_Adapter):
             self._in_order(self.sandbox_order.tick(now), rec, outs)
             return outs
         if kind in _SANDBOX_STREAM and record["header"]["episode"] is None:
-            from trajbus.consumers.reorder import InEvent
+            from trajbus.consumers.replay.core import InEvent
 
             if self.sandbox_order.clock_ms == 0:
                 self.sandbox_order.tick(rec.timestamp_ms)
@@ -375,7 +375,7 @@ class SchedulerProcessor(_Adapter):
     def _in_order(self, results: list[Any], rec: InRecord, outs: list[OutRecord]) -> None:
         """Feed the rules the sandbox-stream events the reorder core released, in order.
         Events late after a closed gap are still applied (the rules judge legality)."""
-        from trajbus.consumers.reorder import DeadLetterOut, LateOut, SegmentOut
+        from trajbus.consumers.replay.core import DeadLetterOut, LateOut, SegmentOut
 
         released: list[bytes] = []
         for r in results:
@@ -394,7 +394,7 @@ class SchedulerProcessor(_Adapter):
 
     def _convert(self, results: list[Any], outs: list[OutRecord], rec: InRecord | None,
                  header: dict[str, Any]) -> None:
-        from trajbus.consumers.scheduler import DecisionOut
+        from trajbus.consumers.scheduler.core import DecisionOut
 
         for r in results:
             if isinstance(r, DecisionOut):
@@ -447,7 +447,7 @@ class WatchdogProcessor(_Adapter):
     stage = "watchdog"
 
     def __init__(self, settings: Settings, codec: Codec | None = None) -> None:
-        from trajbus.consumers.watchdog import WatchdogCore
+        from trajbus.consumers.watchdog.core import WatchdogCore
 
         super().__init__(settings, codec)
         self.core = WatchdogCore(settings.watchdog, settings.watchdog.per_task)
@@ -477,7 +477,7 @@ class WatchdogProcessor(_Adapter):
 
     def _convert(self, results: list[Any], outs: list[OutRecord], rec: InRecord | None,
                  header: dict[str, Any]) -> None:
-        from trajbus.consumers.watchdog import AlertOut, DecisionOut, to_model
+        from trajbus.consumers.watchdog.core import AlertOut, DecisionOut, to_model
 
         for r in results:
             if isinstance(r, AlertOut):
