@@ -102,9 +102,11 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
     async def marks() -> None:
         await asyncio.sleep(max(0.0, t_measure - loop.time()))
         window["t0"], window["c0"] = time.perf_counter(), os.times()
+        window["m0"] = time.thread_time()
         window["acked0"] = sum(em.acked_count for em in ems)
         await asyncio.sleep(max(0.0, t_end - loop.time()))
         window["t1"], window["c1"] = time.perf_counter(), os.times()
+        window["m1"] = time.thread_time()
         window["acked1"] = sum(em.acked_count for em in ems)
 
     await asyncio.gather(marks(), *(drive(i, em) for i, em in enumerate(ems)))
@@ -135,6 +137,8 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
         "emitters": a.emitters, "rate_per_emitter": a.rate, "seconds": round(wall, 2),
         "core_share": round(cpu / wall, 4), "user_share": round(user / wall, 4),
         "sys_share": round(system / wall, 4),
+        # the event loop's thread; the rest is the thread pool's journal syncs
+        "loop_thread_share": round((window["m1"] - window["m0"]) / wall, 4),
         "events": emitted[0], "acked": window["acked1"] - window["acked0"],
         "events_per_cpu_s": round(emitted[0] / cpu) if cpu else None,
         "us_cpu_per_event": round(cpu / emitted[0] * 1e6, 1) if emitted[0] else None,

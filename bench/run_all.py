@@ -40,6 +40,7 @@ BENCHES: dict[str, tuple[str, list[str], list[str], bool]] = {
                                  "--overlap-episodes", "4"], True),
     "worker": ("bench_worker.py", [], ["--events", "15000", "--repeat", "1"], True),
     "recovery": ("bench_recovery.py", [], ["--episodes", "2000", "--repeat", "1"], True),
+    "many_emitters": ("bench_many_emitters.py", [], ["--seconds", "10", "--warmup", "3"], True),
 }
 
 

@@ -58,6 +58,11 @@ class ProducerSideSettings(BaseModel):
     queue_max_events: int = 10_000
     queue_full_timeout_s: float = 5.0
     drain_deadline_s: float = 30.0
+    # The emitters of a process send through one shared sender (trajbus.producers.sender);
+    # while more than one emitter is open its rounds start at most this often, so one round's
+    # journal sync and sends serve many emitters (adds at most this much to send latency,
+    # not to emit: an emit returns once journaled). 0 = a round as soon as one is due.
+    send_round_ms: float = 10.0
     redact_env: list[str] = Field(
         default_factory=lambda: [
             "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "OPENAI_API_KEY", "ANTHROPIC_API_KEY",

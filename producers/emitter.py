@@ -35,6 +35,11 @@ Guarantees:
   identifiers, hashes and references listed in :data:`EXACT_FIELDS`. Trace bytes are not
   scanned for ``image/``, ``video/`` and ``audio/`` content types or with ``redact=False``.
 
+Sending: the emitters of one event loop share one send task
+(:class:`~trajbus.producers.sender.SharedSender`): one journal sync round and one pass of sends
+for every emitter with pending events, at most every ``settings.producer.send_round_ms`` while
+more than one emitter is open.
+
 Ordering on Kafka follows seq order per sandbox (one partition, one in-flight batch, idempotent
 producer), except after a failed send is retried; consumers reorder by seq anyway.
 """
@@ -44,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import functools
 import hashlib
 import heapq
 import json
@@ -62,11 +66,11 @@ from aiokafka import AIOKafkaProducer
 from trajbus.bus.producer import get_producer
 from trajbus.bus.settings import Settings, get_settings
 from trajbus.bus.topics import Topics, validate_name
-from trajbus.consumers.watchdog.canonical import CanonicalError, canonicalizer
+from trajbus.consumers.canonical import CanonicalError, canonicalizer
 from trajbus.producers.claimcheck import ClaimCheck
-from trajbus.producers.groupsync import group_sync
 from trajbus.producers.journal import Journal, JournalError
 from trajbus.producers.redact import Redactor
+from trajbus.producers.sender import BACKOFF_MIN_S, SharedSender, shared_sender
 from trajbus.schemas.codec import Codec, default_codec
 from trajbus.schemas.models import (
     EpisodeOutcome,
@@ -92,7 +96,6 @@ SANDBOX_STREAM = ""  # internal stream key of the sandbox-level (episode None) s
 SUMMARY_CHARS = 256
 CANONICAL_MAX_BYTES = 4096
 MESSAGE_OVERHEAD = 16 * 1024  # room for the envelope and Kafka record/batch headers
-SEND_BATCH = 2000
 CLEAN_TEXT_MAX_CHARS = 128  # free texts up to this long are remembered when clean ...
 CLEAN_TEXT_MAX_ENTRIES = 1024  # ... this many per emitter
 T = TypeVar("T")
@@ -295,8 +298,12 @@ class SandboxEmitter:
 
         self._lock_fd = -1
         self._journal: Journal | None = None
-        self._sender: asyncio.Task[None] | None = None
-        self._wake: asyncio.Event | None = None
+        self._sender: _SendHandle | None = None
+        self._shared: SharedSender | None = None
+        # "idle" (not started), "active", "paused" (tests), "failed" (journal sync), "closed"
+        self._send_state = "idle"
+        self._backoff = BACKOFF_MIN_S / 2
+        self._retry_at = 0.0
         self._space: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._ack_waiters: dict[int, asyncio.Future[None]] = {}
@@ -386,16 +393,21 @@ class SandboxEmitter:
             return self
         if self._closed_flag:
             raise EmitterClosedError("emitter is closed")
-        self._wake = asyncio.Event()
         self._space = asyncio.Event()
         self._idle = asyncio.Event()
         self._space.set()
         if not self._unacked:
             self._idle.set()
         self._producer = await get_producer(self.settings.kafka)
-        self._sender = asyncio.create_task(self._send_loop(), name=f"emitter-{self.sandbox}")
+        if self._closed_flag:  # closed while the producer started
+            raise EmitterClosedError("emitter is closed")
+        # one send task per event loop for all emitters on it (trajbus.producers.sender)
+        self._shared = shared_sender()
+        self._shared.join(self)
+        self._send_state = "active"
+        self._sender = _SendHandle(self)
         if self._pending:
-            self._wake.set()
+            self._shared.notify(self)
         return self
 
     async def __aenter__(self) -> SandboxEmitter:
@@ -422,10 +434,10 @@ class SandboxEmitter:
             return
         self._closed_flag = True
         self._stopping = True
-        if self._sender is not None:
-            self._sender.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._sender
+        self._send_state = "closed"
+        if self._shared is not None:
+            self._shared.leave(self)
+            self._shared = None
         for fut in self._ack_waiters.values():
             if not fut.done():
                 fut.set_exception(EmitterClosedError("emitter closed"))
@@ -546,7 +558,11 @@ class SandboxEmitter:
         if journal.needs_roll(len(value)):
             journal.open_new_segment(self._snapshot())
             self._gc_segments()
-        seg, off, length = journal.append(h, value)  # raises JournalError: nothing consumed
+        # The acks collected since the last write go in the same write(2) as the event.
+        acks = self._acked_rids
+        seg, off, length = journal.append(h, value, acks)  # JournalError: nothing consumed
+        if acks:
+            self._acked_rids = []
         self._apply(h)
         item = _Item(rid, seg, off, length, topic, kind, stream, seq, event_id,
                      value if in_memory else None)
@@ -555,67 +571,17 @@ class SandboxEmitter:
         self._unacked[rid] = item
         self._seg_unacked[seg] = self._seg_unacked.get(seg, 0) + 1
         heapq.heappush(self._pending, (rid, item))
-        assert self._wake is not None and self._idle is not None
+        assert self._idle is not None
         self._idle.clear()
-        self._wake.set()
+        if self._shared is not None:
+            self._shared.notify(self)
         return event_id, rid
 
-    # -- sending ------------------------------------------------------------------------------
-    async def _send_loop(self) -> None:
-        assert self._wake is not None and self._producer is not None
-        producer = self._producer
-        journal = self._journal
-        assert journal is not None
-        backoff = 0.05
-        while True:
-            if not self._pending:
-                self._flush_acks()
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            batch: list[_Item] = []
-            while self._pending and len(batch) < SEND_BATCH:
-                batch.append(heapq.heappop(self._pending)[1])
-            if self.durability == "fsync":
-                fd = journal.sync_fd()
-                if fd is not None:
-                    try:  # one fdatasync round shared by every emitter of this loop
-                        await group_sync().sync(fd)
-                    finally:
-                        os.close(fd)
-            if self._shuffle is not None:
-                window, rng = self._shuffle
-                for i in range(0, len(batch), window):
-                    part = batch[i:i + window]
-                    rng.shuffle(part)
-                    batch[i:i + window] = part
-            failed = False
-            for i, item in enumerate(batch):
-                value = item.value
-                if value is None:
-                    try:
-                        value = journal.read(item.seg, item.offset, item.length)
-                    except OSError as exc:  # pragma: no cover - journal vanished under us
-                        self.last_error = f"journal read: {exc}"
-                        raise
-                try:
-                    fut = await producer.send(item.topic, value, key=self._key)
-                except Exception as exc:  # KafkaTimeoutError, connection errors...
-                    self.last_error = f"{type(exc).__name__}: {exc}"
-                    for it in batch[i:]:
-                        heapq.heappush(self._pending, (it.rid, it))
-                    failed = True
-                    break
-                item.in_flight = True
-                fut.add_done_callback(functools.partial(
-                    self._on_sent, item, value if self._on_ack is not None else None))
-            self._flush_acks()
-            if failed:
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-            else:
-                backoff = 0.05
-                await asyncio.sleep(0)
+    # -- sending (by the loop's SharedSender, trajbus.producers.sender) ----------------------
+    def _requeue(self, items: list[_Item]) -> None:
+        """Events taken for a send that did not happen go back to the pending queue."""
+        for it in items:
+            heapq.heappush(self._pending, (it.rid, it))
 
     def _on_sent(self, item: _Item, value: bytes | None, fut: asyncio.Future[Any]) -> None:
         item.in_flight = False
@@ -625,8 +591,8 @@ class SandboxEmitter:
             exc = None if fut.cancelled() else fut.exception()
             self.last_error = f"send failed: {type(exc).__name__}: {exc}"
             heapq.heappush(self._pending, (item.rid, item))
-            assert self._wake is not None
-            self._wake.set()
+            if self._shared is not None:
+                self._shared.notify(self)
             return
         if self._unacked.pop(item.rid, None) is None:
             return
@@ -643,9 +609,9 @@ class SandboxEmitter:
         if not self._unacked and self._idle is not None:
             self._idle.set()
             journal = self._journal
-            if (self._wake is not None and journal is not None
+            if (self._shared is not None and journal is not None
                     and journal.worth_rolling_drained(self._drained_roll_bytes)):
-                self._wake.set()  # roll the drained segment now, not at the next event
+                self._shared.notify(self)  # roll the drained segment now, not at the next event
         waiter = self._ack_waiters.pop(item.rid, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -905,6 +871,25 @@ class SandboxEmitter:
             drained_acked=drained_acked, elapsed_s=loop.time() - t0,
             error=error or (self.last_error if unflushed else None),
         )
+
+
+class _SendHandle:
+    """``SandboxEmitter._sender``: this emitter's membership of the loop's shared sender.
+    ``cancel()`` stops sending its events (they stay journaled and pending), as cancelling
+    its own send task did before the sender was shared (tests use it to simulate a sender that
+    never gets acknowledgements)."""
+
+    __slots__ = ("_em",)
+
+    def __init__(self, em: SandboxEmitter) -> None:
+        self._em = em
+
+    def cancel(self) -> None:
+        if self._em._send_state == "active":
+            self._em._send_state = "paused"
+
+    def done(self) -> bool:
+        return self._em._send_state != "active"
 
 
 # -- sync wrapper --------------------------------------------------------------------------

@@ -1,6 +1,9 @@
 """Group commit of journal syncs: the emitters of one process share their fdatasync rounds.
 
-Every emitter with ``durability="fsync"`` syncs its journal before it sends what it appended.
+(The emitters now send through :mod:`trajbus.producers.sender`, whose rounds sync every
+journal of a round in one thread hand-off the same way; this stays for code that syncs on its
+own.) Every emitter with ``durability="fsync"`` syncs its journal before it sends what it
+appended.
 Done one by one, 1,000 emitters on a node cost 1,000 thread hand-offs a second, each waiting
 behind the others in the default thread pool. :class:`GroupSync` runs one *round* at a time
 per event loop: the emitters that ask while a round runs wait for the next one, which syncs all

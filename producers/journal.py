@@ -12,7 +12,8 @@ Frame: ``<u32 payload length><u32 crc32(payload)>`` + payload; payload = ``<u32 
   open episodes, closed episodes' final seqs, cursors, lifecycle state.
 - ``E`` event: record id, stream, seq, event id, kind, topic, state changes; body = the encoded
   event bytes exactly as sent to Kafka.
-- ``A`` acknowledgements: record-id ranges the broker acknowledged.
+- ``A`` acknowledgements: record-id ranges the broker acknowledged (the emitter writes them
+  in the same ``write(2)`` as its next event, or at flush, drain, close and segment roll).
 
 Guarantees:
 
@@ -48,6 +49,7 @@ _HLEN = struct.Struct("<I")
 # json.dumps(h, separators=(",", ":")) builds a new encoder per call; same output, built once.
 _HEADER_JSON = json.JSONEncoder(separators=(",", ":")).encode
 _E_KEYS = ("t", "rid", "s", "q", "id", "k", "tp")
+_A_KEYS = ("t", "r")
 _json_str: Any = getattr(json.encoder, "c_encode_basestring_ascii", None) or (
     json.encoder.py_encode_basestring_ascii)
 
@@ -63,7 +65,14 @@ def _header_json(h: dict[str, Any]) -> str:
             return (f'{{"t":{_json_str(t)},"rid":{int.__repr__(rid)},"s":{_json_str(st)},'
                     f'"q":{int.__repr__(q)},"id":{_json_str(eid)},"k":{_json_str(k)},'
                     f'"tp":{_json_str(tp)}}}')
+    if len(h) == 2 and tuple(h) == _A_KEYS and h["t"] == "A":  # {"t":"A","r":[[a,b],...]}
+        r = h["r"]
+        if type(r) is list and all(type(x) is list and len(x) == 2 and type(x[0]) is int
+                                   and type(x[1]) is int for x in r):
+            return '{"t":"A","r":[' + ",".join([f"[{a:d},{b:d}]" for a, b in r]) + "]}"
     return _HEADER_JSON(h)
+
+
 SEG_PREFIX = "seg-"
 SEG_SUFFIX = ".log"
 
@@ -236,10 +245,15 @@ class Journal:
         events = self._size - self.snapshot_bytes
         return events > drained_roll_bytes and events >= 3 * self.snapshot_bytes
 
-    def append(self, header: dict[str, Any], body: bytes = b"") -> tuple[int, int, int]:
-        """Append one record; returns (segment, body offset, body length). On failure the
-        segment is cut back to its previous size and :class:`JournalError` raised."""
+    def append(self, header: dict[str, Any], body: bytes = b"",
+               acks: list[int] | None = None) -> tuple[int, int, int]:
+        """Append one record; returns (segment, body offset, body length). ``acks``: record ids
+        acknowledged since the last write, journaled as an ``A`` record in the same
+        ``write(2)``, before the record. On failure the segment is cut back to its previous
+        size (neither record written) and :class:`JournalError` raised."""
         frame = self._frame(header, body)
+        if acks:
+            frame = self._frame({"t": "A", "r": _ranges(acks)}, b"") + frame
         start = self._size
         try:
             view = memoryview(frame)
