@@ -66,7 +66,7 @@ from aiokafka import AIOKafkaProducer
 from trajbus.bus.producer import get_producer
 from trajbus.bus.settings import Settings, get_settings
 from trajbus.bus.topics import Topics, validate_name
-from trajbus.consumers.canonical import CanonicalError, canonicalizer
+from trajbus.consumers.watchdog.canonical import CanonicalError, canonicalizer
 from trajbus.producers.claimcheck import ClaimCheck
 from trajbus.producers.journal import Journal, JournalError
 from trajbus.producers.redact import Redactor
