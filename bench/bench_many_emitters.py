@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import io
 import json
 import os
@@ -116,10 +115,9 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
     cpu = user + system
     unacked_end = sum(em.pending_count for em in ems)
     sender: dict[str, Any] = {}
-    with contextlib.suppress(ImportError):
-        from trajbus.producers.sender import shared_sender
-
-        sh = shared_sender()
+    shared = getattr(emitter_mod, "shared_sender", None)  # None: a commit before the sender
+    if shared is not None:
+        sh = shared()
         sender = {"rounds": sh.rounds, "sync_rounds": sh.sync_rounds, "syncs": sh.syncs}
     jb = _journal_bytes(state)  # before close: what a running node holds
     ok = all(await asyncio.gather(*(em.flush(60) for em in ems)))
