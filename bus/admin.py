@@ -8,30 +8,85 @@ is harmless. ``register_schemas`` publishes every bundled writer schema to the c
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import (
+    KafkaConnectionError,
+    KafkaTimeoutError,
+    NodeNotReadyError,
+    RequestTimedOutError,
+    TopicAlreadyExistsError,
+)
 from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import Array, Int16, Int32, Schema, String
 
-from trajbus.bus.kafka import connection_options
+from trajbus.bus.kafka import BrokerUnavailableError, connection_options
 from trajbus.bus.producer import get_producer
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics, TopicSpec
 from trajbus.schemas.registry import SchemaRegistry, default_registry
 
+log = logging.getLogger("trajbus.admin")
+
+
+# Topic-creation answers of a broker that is stopping, starting or between controllers: KRaft
+# fences a broker in controlled shutdown, and creation then fails with "All brokers are
+# currently fenced" (INVALID_REPLICATION_FACTOR, 38) although nothing is misconfigured. They
+# pass: ensure_topics retries them, as it retries a connection lost on the way.
+_TRANSIENT_CREATE_ERRORS = {7, 8, 41}  # REQUEST_TIMED_OUT, BROKER_NOT_AVAILABLE, NOT_CONTROLLER
+_FENCED = "fenced"
+# How long ensure_topics rides out such a broker (a restart takes ~5-30 s) before it gives up
+# with BrokerUnavailableError, which a supervisor answers by restarting the process.
+TOPIC_SETUP_PATIENCE_S = 60.0
+
+
+class _TransientCreateError(RuntimeError):
+    pass
+
 
 async def ensure_topics(
-    settings: Settings, specs: Iterable[TopicSpec]
+    settings: Settings, specs: Iterable[TopicSpec], *,
+    patience_s: float = TOPIC_SETUP_PATIENCE_S,
 ) -> tuple[list[str], list[str]]:
-    """Create the missing topics. Returns (created, already_present)."""
+    """Create the missing topics. Returns (created, already_present).
+
+    A broker that stops answering or is restarting meanwhile is waited for, up to
+    ``patience_s``; then :class:`BrokerUnavailableError` says so. A refusal that is not
+    transient (for example a replication factor the cluster cannot meet) raises at once."""
     specs = list(specs)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    answered: list[bool] = []  # a broker that never answered fails as fast as check_broker
+    delay = 0.25
+    while True:
+        try:
+            return await _ensure_topics_once(settings, specs, answered)
+        except (TimeoutError, _TransientCreateError, KafkaConnectionError, KafkaTimeoutError,
+                NodeNotReadyError, RequestTimedOutError) as exc:
+            waited = loop.time() - started + delay
+            if waited > (patience_s if answered else settings.kafka.connect_timeout_s):
+                raise BrokerUnavailableError(
+                    f"Kafka at {settings.kafka.bootstrap_servers} did not answer topic set-up "
+                    f"for {waited:.0f}s ({type(exc).__name__}: {exc}). Start the broker "
+                    "(`trajbus kafka up`) or point TRAJBUS_KAFKA__BOOTSTRAP_SERVERS at a "
+                    "running cluster; if it was restarting, running the command again (or a "
+                    "supervisor restarting this process) retries.") from exc
+            log.warning("topic set-up: broker not ready (%s: %s); retrying in %.1fs",
+                        type(exc).__name__, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
+
+
+async def _ensure_topics_once(settings: Settings, specs: list[TopicSpec], answered: list[bool]
+                              ) -> tuple[list[str], list[str]]:
     admin = AIOKafkaAdminClient(
         **connection_options(settings.kafka), client_id=f"{settings.kafka.client_id}-admin"
     )
-    await admin.start()
     try:
+        await admin.start()
+        answered.append(True)
         existing = set(await admin.list_topics())
         missing = [s for s in specs if s.name not in existing]
         created: list[str] = []
@@ -45,8 +100,12 @@ async def ensure_topics(
             try:
                 resp = await admin.create_topics([topic])
                 for name, code, *rest in getattr(resp, "topic_errors", []) or []:
-                    if code not in (0, TopicAlreadyExistsError.errno):
-                        raise RuntimeError(f"creating topic {name}: error {code} {rest}")
+                    if code in (0, TopicAlreadyExistsError.errno):
+                        continue
+                    text = f"creating topic {name}: error {code} {rest}"
+                    if code in _TRANSIENT_CREATE_ERRORS or _FENCED in str(rest):
+                        raise _TransientCreateError(text)
+                    raise RuntimeError(text)
             except TopicAlreadyExistsError:
                 pass  # raced with another creator: fine
             created.append(spec.name)

@@ -34,7 +34,7 @@ import logging
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -142,13 +142,34 @@ def _return_freed_memory() -> None:
         pass
 
 
+def reusable_slots(parked: Mapping[int, Mapping[TopicPartition, int | None]],
+                   assigned: Mapping[int, Iterable[TopicPartition]],
+                   committed: Mapping[TopicPartition, int | None]) -> set[int]:
+    """The core slots a worker may keep across a rebalance without a restore.
+
+    ``parked`` holds, per slot whose core the worker set aside when its partitions were
+    revoked, the group's committed offset of each of those input partitions at that moment
+    (every processed batch was committed before letting go). A parked core is exactly the
+    committed state of its slot iff the slot comes back with the same input partitions and
+    none of their committed offsets moved meanwhile: a move means another member processed
+    (and committed) records of the slot, so only the changelog has the current state."""
+    keep = set()
+    for slot, tps in assigned.items():
+        before = parked.get(slot)
+        if before is None or set(tps) != set(before):
+            continue
+        if all(committed.get(tp) == offset for tp, offset in before.items()):
+            keep.add(slot)
+    return keep
+
+
 class _Rebalance(ConsumerRebalanceListener):
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
 
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
         await self.runner.quiesce()  # the in-flight transaction finishes before we let go
-        self.runner.drop(revoked)
+        self.runner.park(revoked)
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         await self.runner.restore(assigned)
@@ -166,6 +187,13 @@ class Runner:
         self.group_id = f"{prefix}.{spec.name}"
         self.changelog = f"{prefix}.{spec.name}.state"
         self.cores: dict[int, Processor] = {}
+        # Across a rebalance (aiokafka's is eager: every partition is revoked, then the new
+        # assignment given), the cores of revoked partitions wait here with the committed
+        # offsets of their inputs; those assigned back unchanged are kept, not restored.
+        self._parked: dict[int, tuple[Processor, dict[TopicPartition, int | None]]] = {}
+        # The group's committed offset of each assigned input partition, as this worker left
+        # it: read at assignment, then advanced by each of its transactions.
+        self._committed: dict[TopicPartition, int | None] = {}
         self.stopping = asyncio.Event()
         self.idle_batches = 0
         self.processed = 0
@@ -186,19 +214,51 @@ class Runner:
     def _slot(self, partition: int) -> int:
         return 0 if self.spec.global_state else partition
 
-    def drop(self, revoked: Iterable[TopicPartition]) -> None:
+    def park(self, revoked: Iterable[TopicPartition]) -> None:
+        """Let go of revoked partitions (after :meth:`quiesce`: all they produced is
+        committed). Their cores are set aside until the next assignment says whether they come
+        back unchanged (:meth:`restore`)."""
+        revoked = list(revoked)
         for tp in revoked:
-            self._pending.pop(tp, None)  # unreleased records are re-fetched by the new owner
+            self._pending.pop(tp, None)  # unfinished records are fetched again by the owner
             self._empty_since.pop(tp, None)
-        if not self.spec.global_state:
-            for tp in revoked:
-                self.cores.pop(tp.partition, None)
+        by_slot: dict[int, dict[TopicPartition, int | None]] = {}
+        for tp in revoked:
+            by_slot.setdefault(self._slot(tp.partition), {})[tp] = self._committed.pop(tp, None)
+        for slot, offsets in by_slot.items():
+            core = self.cores.pop(slot, None)
+            if core is not None:
+                self._parked[slot] = (core, offsets)
 
     async def restore(self, assigned: Iterable[TopicPartition]) -> None:
-        """Rebuild the cores of newly assigned partitions from the committed changelog."""
+        """Serve newly assigned partitions: keep each parked core that comes back exactly as
+        committed (:func:`reusable_slots`), rebuild the others from the committed changelog."""
+        assigned = list(assigned)
         async with self._lock:  # never while a batch is being processed
             await self._wait_inflight()  # its state must be in the changelog we read
+            committed = await self._fetch_committed(assigned)
+            by_slot: dict[int, list[TopicPartition]] = {}
+            for tp in assigned:
+                by_slot.setdefault(self._slot(tp.partition), []).append(tp)
+            keep = reusable_slots({s: offsets for s, (_, offsets) in self._parked.items()},
+                                  by_slot, committed)
+            for slot in keep:
+                self.cores[slot] = self._parked[slot][0]
+            if keep:
+                log.info("%s: kept the state of partitions %s across the rebalance (no "
+                         "restore)", self.spec.name, sorted(keep))
+            self._parked.clear()  # not kept: another member has them, or they moved on
+            self._committed.update(committed)
             await self._restore(assigned)
+
+    async def _fetch_committed(self, tps: list[TopicPartition]
+                               ) -> dict[TopicPartition, int | None]:
+        """The group's committed offset of each partition (None: never committed)."""
+        if self._consumer is None or not tps:  # a restore driven without the group (tests)
+            return {}
+        consumer = self._consumer
+        offsets = await asyncio.gather(*(consumer.committed(tp) for tp in tps))
+        return dict(zip(tps, offsets, strict=True))
 
     async def quiesce(self) -> None:
         """Wait until no batch is being processed and no transaction is in flight (before a
@@ -529,6 +589,7 @@ class Runner:
             # retried after aiokafka's 100 ms backoff (or the offsets' came back
             # COORDINATOR_NOT_AVAILABLE). RELIABILITY.md, tests/test_runner_txn_retries.py.
             await self._producer.send_offsets_to_transaction(offsets, self.group_id)
+        self._committed.update(offsets)
         counts_out: dict[str, int] = {}
         for out in outs:
             counts_out[out.topic] = counts_out.get(out.topic, 0) + 1

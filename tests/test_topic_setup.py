@@ -1,0 +1,76 @@
+"""Topic set-up against a broker that is restarting (the short soak's failure of 2026-12-01).
+
+A worker started just before its broker was restarted got "All brokers are currently fenced"
+back from topic creation (KRaft fences a broker in controlled shutdown), raised it as an error
+and exited with a traceback, while the same outage a second later was ridden out. Such answers
+are transient: set-up waits for the broker (bounded), and only a real refusal, or a broker
+that never answered, fails, each with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+from support import settings_for
+
+from trajbus.bus.admin import ensure_topics
+from trajbus.bus.kafka import BrokerUnavailableError
+from trajbus.bus.settings import KafkaSettings, Settings, TopicSettings
+from trajbus.bus.topics import TopicSpec
+from trajbus.infra.broker import free_port
+
+FENCED = ["Unable to replicate the partition 1 time(s): All brokers are currently fenced, or "
+          "have all their log directories cordoned."]
+
+
+class _FencedAnswer:
+    def __init__(self, name: str) -> None:
+        self.topic_errors = [(name, 38, *FENCED)]
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(60)
+async def test_topic_creation_waits_out_a_broker_that_is_fenced_while_restarting(
+        kafka_broker, unique_name, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = settings_for(kafka_broker.bootstrap, unique_name)
+    real = AIOKafkaAdminClient.create_topics
+    calls: list[str] = []
+
+    async def fenced_twice(self: AIOKafkaAdminClient, topics: list[Any], *a: Any,
+                           **k: Any) -> Any:
+        calls.append(topics[0].name)
+        if len(calls) <= 2:  # what the broker answered during its controlled shutdown
+            return _FencedAnswer(topics[0].name)
+        return await real(self, topics, *a, **k)
+
+    monkeypatch.setattr(AIOKafkaAdminClient, "create_topics", fenced_twice)
+    topic = f"{unique_name}.fenced"
+    created, _ = await ensure_topics(settings, [TopicSpec(topic, 1, "test", "key")])
+    assert created == [topic]
+    assert calls == [topic] * 3
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(60)
+async def test_a_refusal_that_is_not_transient_fails_at_once(kafka_broker, unique_name) -> None:
+    settings = Settings(kafka=KafkaSettings(bootstrap_servers=kafka_broker.bootstrap),
+                        topics=TopicSettings(prefix=unique_name, replication_factor=3))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="error 38") as info:
+        await ensure_topics(settings, [TopicSpec(f"{unique_name}.rf3", 1, "test", "key")])
+    assert not isinstance(info.value, BrokerUnavailableError)
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.timeout(60)
+async def test_a_broker_that_never_answered_fails_as_fast_as_the_start_up_check() -> None:
+    settings = Settings(kafka=KafkaSettings(bootstrap_servers=f"127.0.0.1:{free_port()}",
+                                            connect_timeout_s=2))
+    started = time.monotonic()
+    with pytest.raises(BrokerUnavailableError, match="did not answer topic set-up") as info:
+        await ensure_topics(settings, [TopicSpec("never.created", 1, "test", "key")])
+    assert "TRAJBUS_KAFKA__BOOTSTRAP_SERVERS" in str(info.value)
+    assert time.monotonic() - started < 10
