@@ -41,6 +41,10 @@ BENCHES: dict[str, tuple[str, list[str], list[str], bool]] = {
     "worker": ("bench_worker.py", [], ["--events", "15000", "--repeat", "1"], True),
     "recovery": ("bench_recovery.py", [], ["--episodes", "2000", "--repeat", "1"], True),
     "many_emitters": ("bench_many_emitters.py", [], ["--seconds", "10", "--warmup", "3"], True),
+    "restore_history": ("bench_restore_history.py", [], ["--hours", "0.5", "--episodes", "5000",
+                                                         "--repeat", "1"], False),
+    "rebalance": ("bench_rebalance.py", [], ["--episodes", "3000", "--steady", "10", "--hold",
+                                             "12", "--window", "8"], True),
 }
 
 
