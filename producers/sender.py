@@ -148,6 +148,8 @@ class SharedSender:
             pending = em._pending
             batch = [heapq.heappop(pending)[1]
                      for _ in range(min(SEND_BATCH, len(pending)))]
+            if pending:  # a backlog: the rest goes in the next round
+                self._ready[em] = None
             journal = em._journal
             if em.durability == "fsync" and journal is not None:
                 try:

@@ -245,3 +245,31 @@ def test_ack_header_text_is_what_json_dumps_writes() -> None:
         if rng.random() < 0.05:
             h["r"] = [[1, 2, 3]]
         assert _header_json(h) == json.dumps(h, separators=(",", ":")), h
+
+
+async def test_a_backlog_larger_than_a_round_is_sent_in_full(kafka_broker, unique_name, tmp_path,
+                                                             monkeypatch):
+    """More pending events than one round takes (SEND_BATCH) -- a journal recovered after a
+    restart, or a burst -- are all sent without waiting for another emit."""
+    from trajbus.producers import sender as sender_mod
+
+    monkeypatch.setattr(sender_mod, "SEND_BATCH", 50)
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path)
+    await create_topics(s)
+    em = await SandboxEmitter("sb-b", "task-a", settings=s).start()
+    assert em._sender is not None
+    em._sender.cancel()  # journaled only
+    for _ in range(230):
+        await em.heartbeat()
+    await em.abort()
+    other = await SandboxEmitter("sb-o", "task-a", settings=s).start()  # a second member
+    again = await SandboxEmitter("sb-b", "task-a", settings=s).start()
+    assert again.pending_count == 230
+    assert await again.flush(30)  # recovered backlog: 5 rounds, no emit needed
+    for _ in range(170):  # a live burst larger than a round
+        await other.heartbeat()
+    assert await other.flush(30)
+    await again.close(10)
+    await other.close(10)
+    seen = await read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= 400)
+    assert len(seen) == 400 and check_streams(seen).problems() == []
