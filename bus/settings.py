@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -43,6 +43,19 @@ class KafkaSettings(BaseModel):
     # partitions back at once (static membership); one that does not come back is replaced
     # after this long.
     session_timeout_ms: int = Field(default=10_000, ge=6_000, le=1_800_000)
+    # How often a worker heartbeats to its group. It learns that a rebalance started (a worker
+    # joining or leaving) from a heartbeat's answer: until then a joining worker waits, and the
+    # partitions of one that left are served by nobody. 500 ms instead of session / 5 (2 s)
+    # cut that wait from up to 2 s to up to 0.5 s (bench/bench_rebalance.py, SCALING.md
+    # section 8). At most a third of the session timeout.
+    heartbeat_interval_ms: int = Field(default=500, ge=100)
+
+    @model_validator(mode="after")
+    def _heartbeat_within_session(self) -> KafkaSettings:
+        if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
+            raise ValueError(f"heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be at "
+                             f"most a third of session_timeout_ms ({self.session_timeout_ms})")
+        return self
 
 
 class TopicSettings(BaseModel):

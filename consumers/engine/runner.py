@@ -399,7 +399,7 @@ class Runner:
             # self's session to expire. A clean stop leaves explicitly (_leave_group).
             group_instance_id=self.instance_id,
             session_timeout_ms=k.session_timeout_ms,
-            heartbeat_interval_ms=max(1000, k.session_timeout_ms // 5),
+            heartbeat_interval_ms=k.heartbeat_interval_ms,  # how soon it sees a rebalance
             isolation_level="read_committed",
             enable_auto_commit=False,
             auto_offset_reset="earliest",
