@@ -109,18 +109,32 @@ class ProcessorSpec:
     extra_topics: list[TopicSpec] = field(default_factory=list)
 
 
-# A restore reads the whole changelog partition. Kafka never compacts the active segment, and
-# its defaults (1 GiB / 7 days) keep nearly all of a busy worker's history there: small
-# segments that roll every 10 minutes, cleaned once 10% is dirty (and at most 15 minutes
-# after a write), keep a restore close to the live keys. Tombstones stay a day, long enough
-# for any restore in progress to see them.
+# A restore reads the whole changelog partition: the compacted part (the live keys, and the
+# tombstones of deleted keys, kept delete.retention.ms after the cleaner first reached them),
+# the closed segments the cleaner has not reached yet, and the active segment, which Kafka never
+# compacts. Kafka's defaults (1 GiB / 7 days segments, tombstones a day) made a restore after
+# hours of history read millions of records (bench/bench_restore_history.py: 0.9-3.7 million,
+# 10-25 s, for 20,000 open episodes at load A; SCALING.md section 8). So: segments that roll
+# at 16 MiB or 10 minutes (16 MiB, not less: a record batch must fit in a segment, and a state
+# record may be as large as the topic's max.message.bytes, see changelog_configs), cleaned once
+# 10% is dirty (with a compacted part this small, any closed segment is) and at most 15
+# minutes after a write; tombstones go 10 minutes after their first cleaning, long enough for
+# any restore in progress (seconds) to see them. Existing changelogs keep the configs they were
+# created with (ensure_topics does not alter them): `kafka-configs --alter` to apply these.
 CHANGELOG_CONFIGS = {
     "segment.ms": str(10 * 60_000),
-    "segment.bytes": str(64 * 1024 * 1024),
+    "segment.bytes": str(16 * 1024 * 1024),
     "min.cleanable.dirty.ratio": "0.1",
     "max.compaction.lag.ms": str(15 * 60_000),
-    "delete.retention.ms": str(24 * 3_600_000),
+    "delete.retention.ms": str(10 * 60_000),
 }
+
+
+def changelog_configs(max_batch_bytes: int) -> dict[str, str]:
+    """:data:`CHANGELOG_CONFIGS`, with segments large enough for the largest record batch the
+    runner may write (the broker refuses a batch larger than a segment)."""
+    seg = max(int(CHANGELOG_CONFIGS["segment.bytes"]), max_batch_bytes + 1024 * 1024)
+    return {**CHANGELOG_CONFIGS, "segment.bytes": str(seg)}
 
 
 # How long a restore waits for a transaction pending on a state partition to complete. A
@@ -361,7 +375,7 @@ class Runner:
         specs = [TopicSpec(self.changelog, parts, f"{self.spec.name} state changelog",
                            "state key", retention_ms=-1, compacted=True,
                            max_message_bytes=self.topics.derived_max_bytes,
-                           configs=CHANGELOG_CONFIGS)]
+                           configs=changelog_configs(self.topics.derived_max_bytes + 65536))]
         specs += self.topics.specs + list(self.spec.output_topics()) + self.spec.extra_topics
         specs += [TopicSpec(t, parts, "ticks", "-", retention_ms=3_600_000)
                   for t in self.spec.tick_topics or () if t not in {s.name for s in specs}]
