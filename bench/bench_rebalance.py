@@ -425,6 +425,14 @@ def one_run(a: argparse.Namespace, bootstrap: str, label: str, ref: str, extra: 
             res[cls][name]["ratio_to_steady"] = {
                 k: (round(cur[k] / steady[k], 2) if cur[k] and steady[k] else None)
                 for k in ("p50_ms", "p99_ms", "max_ms")}
+    # p99 per second of send time, seconds relative to the join: where the bad moments are
+    per_s: dict[str, dict[int, list[float]]] = {"kept": {}, "moved": {}}
+    for r, _, e, p in samples:
+        if t_steady <= e < t_end:
+            per_s["kept" if p in kept else "moved"].setdefault(
+                int(e - t_join + 1000) - 1000, []).append((r - e) * 1000)
+    res["_p99_per_s"] = {cls: {str(sec): round(pct(v, 0.99) or 0) for sec, v in sorted(b.items())}
+                         for cls, b in per_s.items()}
     res["stall_s"] = {
         str(p): {"steady": longest_gap(watch.records.get(p, []), t_steady, t_join),
                  "join": longest_gap(watch.records.get(p, []), t_join, t_join + w),
