@@ -3,7 +3,8 @@
 aiokafka's group protocol is eager: when a worker joins or leaves, every member gives up all
 its partitions and is then given its new share. A worker that is given back a partition it
 just had, with nobody having committed anything for it meanwhile, keeps the partition's core
-as it was instead of re-reading its changelog; any other partition is restored.
+as it was instead of re-reading its changelog; any other partition is restored, and while it
+is, the kept partitions go on being served.
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ async def test_partitions_that_stay_put_are_kept_when_a_worker_joins_and_leaves(
         # its own two kept; the two w2 served are restored from the changelog, never taken
         # from the cores w1 set aside at the join (w2 has moved them on since)
         assert after_leave == [("kept", mine), ("restored", others)], after_leave
+        # ... while the kept two went on being served (restored in the background)
+        assert f"restoring partitions {others} while serving the kept ones" in log1.read_text()
 
         await fleet.stop()
         assert all(fleet.closed_ok), "an emitter could not deliver every event"
