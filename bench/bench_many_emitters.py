@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import os
 import shutil
@@ -38,6 +37,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from bench_worker import export_ref
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_CORE_SHARE = 0.1
@@ -146,25 +147,6 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
         "shared_sender": sender,
         "code": str(Path(emitter_mod.__file__ or "?").parent),
     }
-
-
-def export_ref(ref: str) -> Path:
-    """``git archive`` of ``ref`` laid out as the installed package (pyproject's package-dir),
-    in a temporary directory to put first on PYTHONPATH (as bench_worker.py does)."""
-    import tarfile
-    import tomllib
-
-    out = Path(tempfile.mkdtemp(prefix="bench-many-emitters-ref-"))
-    src, pkg = out / "src", out / "pkg"
-    blob = subprocess.run(["git", "archive", "--format=tar", ref], cwd=ROOT, check=True,
-                          capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-        tar.extractall(src, filter="data")
-    dirs = tomllib.loads((src / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "package-dir"]
-    for name, folder in sorted(dirs.items()):
-        shutil.copytree(src / folder, pkg / name.replace(".", "/"), dirs_exist_ok=True)
-    return pkg
 
 
 def run_child(a: argparse.Namespace, bootstrap: str, tree: Path | None) -> dict[str, Any]:

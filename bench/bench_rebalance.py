@@ -68,8 +68,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_many_emitters import export_ref  # noqa: E402
 from bench_recovery import Fleet, GroupWatch, end_offsets, log_time  # noqa: E402
+from bench_worker import export_ref  # noqa: E402
 
 TASK = "rebalance"
 GOAL_RATIO = 2.0
