@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "consumes its inputs, feeds a pure core and commits outputs, state changelog and "
         "offsets in one Kafka transaction, so a killed worker resumes with nothing lost and "
         "nothing duplicated. Start several workers with distinct --worker-id values to share "
-        "partitions (the scheduler is global: run it in one worker only).",
+        "partitions (the scheduler is global: one worker, the smallest --worker-id, runs it "
+        "and the others stand by to take it over).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     w.add_argument("--processors", default=",".join(PROCESSORS),

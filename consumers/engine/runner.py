@@ -39,7 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.cluster import ClusterMetadata
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+from aiokafka.coordinator.protocol import (
+    ConsumerProtocolMemberAssignment,
+    ConsumerProtocolMemberMetadata,
+)
 
 from trajbus.bus.admin import ensure_topics, leave_group_as_static_member
 from trajbus.bus.kafka import check_broker, connection_options
@@ -154,6 +159,28 @@ def _return_freed_memory() -> None:
         libc.malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+class OneMemberAssignor(RangePartitionAssignor):
+    """Every partition to one member of the group: the first by member id (a static member's
+    id starts with its instance id, so the worker with the smallest --worker-id). A processor
+    with global state (the scheduler) must see all its input in one core; with the range
+    assignor a second worker started with the default processors split the scheduler's input
+    and wrote the same state partition from two cores. The other members stand by with
+    nothing assigned, and one of them takes over when the first leaves or dies."""
+
+    name = "trajbus-one-member"
+
+    @classmethod
+    def assign(cls, cluster: ClusterMetadata,
+               members: Mapping[str, ConsumerProtocolMemberMetadata]
+               ) -> dict[str, ConsumerProtocolMemberAssignment]:
+        first = min(members)
+        topics = sorted({t for meta in members.values() for t in meta.subscription})
+        mine = [(t, sorted(cluster.partitions_for_topic(t) or ())) for t in topics]
+        return {member: ConsumerProtocolMemberAssignment(
+                    cls.version, mine if member == first else [], b"")
+                for member in members}
 
 
 def reusable_slots(parked: Mapping[int, Mapping[TopicPartition, int | None]],
@@ -475,7 +502,12 @@ class Runner:
             # partition p of every input topic to the same worker: a core sees all of an
             # episode (events and trace chunks share partition p of two topics). aiokafka's
             # default, round-robin, splits them across workers.
-            partition_assignment_strategy=(RangePartitionAssignor,),
+            # A global processor (the scheduler): everything to one member, the others
+            # stand by (OneMemberAssignor). Range stays listed so that a group still holding
+            # workers of an older version agrees on it while they are replaced.
+            partition_assignment_strategy=((OneMemberAssignor, RangePartitionAssignor)
+                                           if self.spec.global_state
+                                           else (RangePartitionAssignor,)),
             metadata_max_age_ms=5000,  # pattern subscriptions see new replay topics quickly
             max_partition_fetch_bytes=k.max_request_size,
             fetch_max_bytes=4 * k.max_request_size,

@@ -1,0 +1,107 @@
+"""The scheduler has one owner however many workers run it (found by a new-user pass,
+2026-12-01).
+
+The scheduler keeps one state for the whole fleet (one core, one state partition). Two workers
+started with the default processors split its input with the range assignor: each restored the
+whole state, decided on half the events and wrote the same state partition. Its group now
+gives every partition to one member; the others stand by and one takes over when it leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka.cluster import ClusterMetadata
+from aiokafka.coordinator.protocol import ConsumerProtocolMemberMetadata
+from support import Worker, settings_for
+
+from trajbus.bus.admin import ensure_base_topics
+from trajbus.consumers.engine.runner import OneMemberAssignor
+from trajbus.consumers.operator.tools import fleet_status
+
+
+class _Cluster(ClusterMetadata):
+    def __init__(self, partitions: dict[str, int]) -> None:
+        super().__init__()
+        self._counts = partitions
+
+    def partitions_for_topic(self, topic: str) -> set[int] | None:
+        n = self._counts.get(topic)
+        return None if n is None else set(range(n))
+
+
+def test_every_partition_goes_to_the_first_member() -> None:
+    meta = ConsumerProtocolMemberMetadata(0, ["control", "events"], b"")
+    members = {"sched.w2-9f": meta, "sched.w1-c3": meta, "sched.w3-01": meta}
+    out = OneMemberAssignor.assign(_Cluster({"control": 1, "events": 3}), members)
+    assert out["sched.w1-c3"].assignment == [("control", [0]), ("events", [0, 1, 2])]
+    assert out["sched.w2-9f"].assignment == [] and out["sched.w3-01"].assignment == []
+
+
+async def _scheduler_members(settings: Any) -> list[dict[str, Any]]:
+    status = await fleet_status(settings)
+    return status["processors"]["scheduler"]["members"]
+
+
+async def _wait(cond: Any, what: str, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        await asyncio.sleep(0.5)
+
+
+def _holding(members: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [m for m in members if any(parts for parts in m["partitions"].values())]
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(180)
+async def test_two_workers_with_the_default_processors_give_the_scheduler_one_owner(
+        kafka_broker, unique_name, tmp_path: Path) -> None:
+    settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=4)
+    await ensure_base_topics(settings, ["task-a"])
+    w1 = Worker(settings, "reorder,watchdog,scheduler", "w1", log_path=tmp_path / "w1.log")
+    w2 = Worker(settings, "reorder,watchdog,scheduler", "w2", log_path=tmp_path / "w2.log")
+    w1.start()
+    try:
+        async def one_member() -> list[dict[str, Any]] | None:
+            members = await _scheduler_members(settings)
+            return members if len(_holding(members)) == 1 else None
+
+        await _wait(one_member, "w1 to own the scheduler")
+        w2.start()
+
+        async def both_joined() -> list[dict[str, Any]] | None:
+            members = await _scheduler_members(settings)
+            return members if len(members) == 2 and _holding(members) else None
+
+        members = await _wait(both_joined, "w2 to join the scheduler's group")
+        [owner] = _holding(members)  # never split between the two
+        assert "w1" in owner["client_id"], members
+        owned = {t: sorted(p) for t, p in owner["partitions"].items()}
+        assert owned[f"{unique_name}.sandbox.events"] == [0, 1, 2, 3], owned
+
+        assert w1.stop() == 0  # the owner leaves: the standby takes everything over
+
+        async def w2_owns() -> list[dict[str, Any]] | None:
+            members = await _scheduler_members(settings)
+            holding = _holding(members)
+            return members if len(holding) == 1 and "w2" in holding[0]["client_id"] else None
+
+        members = await _wait(w2_owns, "w2 to take the scheduler over")
+        owned = {t: sorted(p) for t, p in _holding(members)[0]["partitions"].items()}
+        assert owned[f"{unique_name}.sandbox.events"] == [0, 1, 2, 3], owned
+    finally:
+        if w1.proc is not None:
+            w1.stop()
+        if w2.proc is not None:
+            w2.stop()
+    assert "scheduler: restored" in (tmp_path / "w2.log").read_text()
