@@ -166,3 +166,34 @@ async def test_restore_takes_a_transaction_pending_for_long_as_abandoned(
     assert isinstance(core, Recording)
     assert core.state == {"a": b"committed"}
     assert RESTORE_PENDING_TXN_WAIT_S <= took < RESTORE_PENDING_TXN_WAIT_S + 15
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(240)
+async def test_a_restore_that_begins_while_the_broker_restarts_waits_for_it(
+        unique_name, tmp_path) -> None:
+    """A rebalance during a broker outage starts a restore whose consumer cannot bootstrap
+    (the soak of 2026-12-01: the worker exited with "Unable to bootstrap"): it waits."""
+    import asyncio
+
+    from faults_support import own_broker
+
+    with own_broker(tmp_path / "kafka") as broker:
+        settings = settings_for(broker.bootstrap, unique_name, partitions=1)
+        spec = ProcessorSpec(name="rec", input_topics=[f"{unique_name}.in"], factory=Recording)
+        runner = Runner(settings, spec, "w0")
+        await ensure_topics(settings, [TopicSpec(runner.changelog, 1, "test", "key",
+                                                 retention_ms=-1, compacted=True)])
+        producer = await get_producer(settings.kafka)
+        try:
+            await (await producer.send(runner.changelog, b"v", key=b"k", partition=0))
+        finally:
+            await close_producer()
+        broker.stop()
+        restarted = asyncio.create_task(asyncio.to_thread(
+            lambda: (__import__("time").sleep(3), broker.start(timeout=120))))
+        await runner.restore([TopicPartition(f"{unique_name}.in", 0)])
+        await restarted
+    core = runner.cores[0]
+    assert isinstance(core, Recording)
+    assert core.state == {"k": b"v"}

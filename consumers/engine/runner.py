@@ -45,8 +45,13 @@ from aiokafka.coordinator.protocol import (
     ConsumerProtocolMemberAssignment,
     ConsumerProtocolMemberMetadata,
 )
+from aiokafka.errors import KafkaConnectionError
 
-from trajbus.bus.admin import ensure_topics, leave_group_as_static_member
+from trajbus.bus.admin import (
+    TOPIC_SETUP_PATIENCE_S,
+    ensure_topics,
+    leave_group_as_static_member,
+)
 from trajbus.bus.kafka import check_broker, connection_options
 from trajbus.bus.producer import producer_options
 from trajbus.bus.settings import Settings
@@ -386,18 +391,38 @@ class Runner:
         _return_freed_memory()
         return fresh, restored
 
+    async def _start_restore_consumer(self) -> AIOKafkaConsumer:
+        """A consumer of the changelog. A restore can begin while the broker is restarting
+        (a rebalance during an outage; the soak of 2026-12-01 lost a worker this way): its
+        bootstrap is retried for up to ``TOPIC_SETUP_PATIENCE_S``, as topic set-up is."""
+        deadline = time.monotonic() + TOPIC_SETUP_PATIENCE_S
+        delay = 0.25
+        while True:
+            consumer = AIOKafkaConsumer(
+                **connection_options(self.settings.kafka),
+                isolation_level="read_committed",
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",  # "latest" could race the explicit seek below
+                client_id=f"{self.group_id}-restore",
+            )
+            try:
+                await consumer.start()
+                return consumer
+            except KafkaConnectionError as exc:
+                with contextlib.suppress(Exception):
+                    await consumer.stop()
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("%s: restore: broker not reachable (%s); retrying in %.1fs",
+                            self.spec.name, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
+
     async def _read_changelog(self, slots: list[int]
                               ) -> tuple[dict[int, dict[str, bytes | None]], int]:
         """The latest value of each key of the slots' changelog partitions, and how many
         records were read."""
-        consumer = AIOKafkaConsumer(
-            **connection_options(self.settings.kafka),
-            isolation_level="read_committed",
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",  # "latest" could race the explicit seek below
-            client_id=f"{self.group_id}-restore",
-        )
-        await consumer.start()
+        consumer = await self._start_restore_consumer()
         restored = 0
         try:
             tps = [TopicPartition(self.changelog, s) for s in slots]
