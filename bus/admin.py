@@ -8,7 +8,6 @@ is harmless. ``register_schemas`` publishes every bundled writer schema to the c
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Iterable
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -22,14 +21,15 @@ from aiokafka.errors import (
 from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import Array, Int16, Int32, Schema, String
 
-from trajbus.bus.kafka import BrokerUnavailableError, connection_options
+from trajbus.bus.kafka import (
+    BrokerUnavailableError,
+    connection_options,
+    retry_while_broker_restarts,
+)
 from trajbus.bus.producer import get_producer
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics, TopicSpec
 from trajbus.schemas.registry import SchemaRegistry, default_registry
-
-log = logging.getLogger("trajbus.admin")
-
 
 # Topic-creation answers of a broker that is stopping, starting or between controllers: KRaft
 # fences a broker in controlled shutdown, and creation then fails with "All brokers are
@@ -46,6 +46,10 @@ class _TransientCreateError(RuntimeError):
     pass
 
 
+_TRANSIENT = (TimeoutError, _TransientCreateError, KafkaConnectionError, KafkaTimeoutError,
+              NodeNotReadyError, RequestTimedOutError)
+
+
 async def ensure_topics(
     settings: Settings, specs: Iterable[TopicSpec], *,
     patience_s: float = TOPIC_SETUP_PATIENCE_S,
@@ -59,24 +63,18 @@ async def ensure_topics(
     loop = asyncio.get_running_loop()
     started = loop.time()
     answered: list[bool] = []  # a broker that never answered fails as fast as check_broker
-    delay = 0.25
-    while True:
-        try:
-            return await _ensure_topics_once(settings, specs, answered)
-        except (TimeoutError, _TransientCreateError, KafkaConnectionError, KafkaTimeoutError,
-                NodeNotReadyError, RequestTimedOutError) as exc:
-            waited = loop.time() - started + delay
-            if waited > (patience_s if answered else settings.kafka.connect_timeout_s):
-                raise BrokerUnavailableError(
-                    f"Kafka at {settings.kafka.bootstrap_servers} did not answer topic set-up "
-                    f"for {waited:.0f}s ({type(exc).__name__}: {exc}). Start the broker "
-                    "(`trajbus kafka up`) or point TRAJBUS_KAFKA__BOOTSTRAP_SERVERS at a "
-                    "running cluster; if it was restarting, running the command again (or a "
-                    "supervisor restarting this process) retries.") from exc
-            log.warning("topic set-up: broker not ready (%s: %s); retrying in %.1fs",
-                        type(exc).__name__, exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(2.0, delay * 2)
+    try:
+        return await retry_while_broker_restarts(
+            lambda: _ensure_topics_once(settings, specs, answered), transient=_TRANSIENT,
+            patience_s=lambda: patience_s if answered else settings.kafka.connect_timeout_s,
+            what="topic set-up")
+    except _TRANSIENT as exc:
+        raise BrokerUnavailableError(
+            f"Kafka at {settings.kafka.bootstrap_servers} did not answer topic set-up for "
+            f"{loop.time() - started:.0f}s ({type(exc).__name__}: {exc}). Start the broker "
+            "(`trajbus kafka up`) or point TRAJBUS_KAFKA__BOOTSTRAP_SERVERS at a running "
+            "cluster; if it was restarting, running the command again (or a supervisor "
+            "restarting this process) retries.") from exc
 
 
 async def _ensure_topics_once(settings: Settings, specs: list[TopicSpec], answered: list[bool]

@@ -7,12 +7,17 @@ settings reach all of them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from aiokafka.admin import AIOKafkaAdminClient
 
 from trajbus.bus.settings import KafkaSettings
+
+log = logging.getLogger("trajbus.kafka")
+T = TypeVar("T")
 
 
 class BrokerUnavailableError(RuntimeError):
@@ -135,3 +140,24 @@ async def _sasl_refusal(k: KafkaSettings) -> str | None:
         return None  # not an authentication problem: the generic error says what to do
     conn.close()
     return None
+
+
+async def retry_while_broker_restarts(
+        attempt: Callable[[], Awaitable[T]], *, transient: tuple[type[BaseException], ...],
+        patience_s: Callable[[], float], what: str) -> T:
+    """Run ``attempt`` until it succeeds, retrying its ``transient`` errors (a broker that is
+    restarting) with a backoff from 0.25 s doubling to 2 s, until ``patience_s()`` seconds
+    have passed since the first try; then the last error is raised."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    delay = 0.25
+    while True:
+        try:
+            return await attempt()
+        except transient as exc:
+            if loop.time() - started + delay > patience_s():
+                raise
+            log.warning("%s: broker not ready (%s: %s); retrying in %.1fs",
+                        what, type(exc).__name__, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)

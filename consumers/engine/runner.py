@@ -52,7 +52,7 @@ from trajbus.bus.admin import (
     ensure_topics,
     leave_group_as_static_member,
 )
-from trajbus.bus.kafka import check_broker, connection_options
+from trajbus.bus.kafka import check_broker, connection_options, retry_while_broker_restarts
 from trajbus.bus.producer import producer_options
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics, TopicSpec
@@ -395,9 +395,7 @@ class Runner:
         """A consumer of the changelog. A restore can begin while the broker is restarting
         (a rebalance during an outage; the soak of 2026-12-01 lost a worker this way): its
         bootstrap is retried for up to ``TOPIC_SETUP_PATIENCE_S``, as topic set-up is."""
-        deadline = time.monotonic() + TOPIC_SETUP_PATIENCE_S
-        delay = 0.25
-        while True:
+        async def start() -> AIOKafkaConsumer:
             consumer = AIOKafkaConsumer(
                 **connection_options(self.settings.kafka),
                 isolation_level="read_committed",
@@ -407,16 +405,15 @@ class Runner:
             )
             try:
                 await consumer.start()
-                return consumer
-            except KafkaConnectionError as exc:
+            except KafkaConnectionError:
                 with contextlib.suppress(Exception):
                     await consumer.stop()
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.warning("%s: restore: broker not reachable (%s); retrying in %.1fs",
-                            self.spec.name, exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(2.0, delay * 2)
+                raise
+            return consumer
+
+        return await retry_while_broker_restarts(
+            start, transient=(KafkaConnectionError,),
+            patience_s=lambda: TOPIC_SETUP_PATIENCE_S, what=f"{self.spec.name}: restore")
 
     async def _read_changelog(self, slots: list[int]
                               ) -> tuple[dict[int, dict[str, bytes | None]], int]:
