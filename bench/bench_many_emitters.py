@@ -38,8 +38,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench_worker import export_ref
-
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_CORE_SHARE = 0.1
 
@@ -85,14 +83,20 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
     latencies: list[float] = []
     args = {"path": "/workspace/src/main.py", "line": 42, "text": "x" * 40}
 
+    if a.mode == "emit-only":  # sending paused: the emit calls alone
+        for em in ems:
+            em._sender.cancel()
+
     async def drive(i: int, em: Any) -> None:
+        call = None if a.mode == "noop" else em.tool_call
         nxt = t_start + period * i / len(ems)
         while nxt < t_end:
             delay = nxt - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
             t = loop.time()
-            await em.tool_call("e", "edit_file", args)
+            if call is not None:
+                await call("e", "edit_file", args)
             if t >= t_measure:
                 emitted[0] += 1
                 if len(latencies) < 200_000:
@@ -121,9 +125,9 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
         sh = shared()
         sender = {"rounds": sh.rounds, "sync_rounds": sh.sync_rounds, "syncs": sh.syncs}
     jb = _journal_bytes(state)  # before close: what a running node holds
-    ok = all(await asyncio.gather(*(em.flush(60) for em in ems)))
+    ok = (a.mode == "emit" and all(await asyncio.gather(*(em.flush(60) for em in ems))))
     for em in ems:
-        await em.close(10)
+        await (em.close(10) if a.mode == "emit" else em.abort())
     await close_producer()
     shutil.rmtree(state, ignore_errors=True)
     latencies.sort()
@@ -134,7 +138,7 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
 
     return {
         "emitters": a.emitters, "rate_per_emitter": a.rate, "seconds": round(wall, 2),
-        "core_share": round(cpu / wall, 4), "user_share": round(user / wall, 4),
+        "mode": a.mode, "core_share": round(cpu / wall, 4), "user_share": round(user / wall, 4),
         "sys_share": round(system / wall, 4),
         # the event loop's thread; the rest is the thread pool's journal syncs
         "loop_thread_share": round((window["m1"] - window["m0"]) / wall, 4),
@@ -149,12 +153,13 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run_child(a: argparse.Namespace, bootstrap: str, tree: Path | None) -> dict[str, Any]:
+def run_child(a: argparse.Namespace, bootstrap: str, tree: Path | None,
+              mode: str = "emit") -> dict[str, Any]:
     out = Path(tempfile.mkstemp(prefix="bench-many-emitters-", suffix=".json")[1])
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--bootstrap", bootstrap,
            "--prefix", f"bme-{uuid.uuid4().hex[:8]}", "--emitters", str(a.emitters),
            "--rate", str(a.rate), "--seconds", str(a.seconds), "--warmup", str(a.warmup),
-           "--partitions", str(a.partitions), "--json", str(out)]
+           "--partitions", str(a.partitions), "--mode", mode, "--json", str(out)]
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
@@ -165,6 +170,8 @@ def run_child(a: argparse.Namespace, bootstrap: str, tree: Path | None) -> dict[
         return {"error": f"exit {proc.returncode}", "stderr": proc.stderr[-2000:]}
     res: dict[str, Any] = json.loads(out.read_text())
     out.unlink(missing_ok=True)
+    if tree is not None and not res["code"].startswith(str(tree)):
+        return {"error": f"ran {res['code']}, not the code in {tree}", "stderr": ""}
     res["load_average_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
     return res
 
@@ -181,6 +188,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--trajbus-ref", action="append", default=[], metavar="REF",
                     help="also run the code of this git ref, alternating with the working tree")
+    ap.add_argument("--no-working-tree", action="store_true",
+                    help="run only the --trajbus-ref variants (the tree may hold others' edits)")
+    ap.add_argument("--baseline", action="store_true",
+                    help="each round also runs the callers with a no-op instead of an emit (the "
+                         "cost of 1,000 tasks waking once a second), subtracted in the summary")
+    ap.add_argument("--emit-only", action="store_true",
+                    help="each round also runs the working tree with sending paused (the emit "
+                         "calls alone: redaction, canonical JSON, Avro, journal append)")
+    ap.add_argument("--mode", choices=["emit", "noop", "emit-only"], default="emit",
+                    help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--prefix", default="bme", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -190,14 +207,25 @@ def main() -> int:
         a.json.write_text(json.dumps(res))
         return 0
 
+    # bench_worker puts the repository first on sys.path: import it here, not in the child,
+    # whose imports must come from the tree on its PYTHONPATH
+    from bench_worker import export_ref
+
     sys.path.insert(0, str(ROOT))
     broker = None
     broker_dir: Path | None = None
     bootstrap = a.bootstrap
     trees = {ref: export_ref(ref) for ref in a.trajbus_ref}
-    variants: list[tuple[str, Path | None]] = [("working tree", None)]
-    variants += [(f"@{ref}", tree) for ref, tree in trees.items()]
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
+    variants: list[tuple[str, Path | None, str]] = []
+    if not a.no_working_tree:
+        variants.append(("working tree", None, "emit"))
+    variants += [(f"@{ref}", tree, "emit") for ref, tree in trees.items()]
+    first = next(iter(trees.values()), None) if a.no_working_tree else None
+    if a.emit_only:
+        variants.append(("emit calls only (sending paused)", first, "emit-only"))
+    if a.baseline:
+        variants.append(("no-op callers (baseline)", first, "noop"))
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
     try:
         if bootstrap is None:
             from trajbus.infra.broker import LocalBroker, free_port
@@ -209,8 +237,8 @@ def main() -> int:
             bootstrap = broker.bootstrap
         for r in range(a.rounds):
             order = variants if r % 2 == 0 else variants[::-1]
-            for name, tree in order:
-                res = run_child(a, bootstrap, tree)
+            for name, tree, mode in order:
+                res = run_child(a, bootstrap, tree, mode)
                 res["round"] = r + 1
                 runs[name].append(res)
                 if "error" in res:
@@ -220,7 +248,8 @@ def main() -> int:
                 print(f"[{name}] round {r + 1}: {res['emitters']} emitters at "
                       f"{res['rate_per_emitter']:g}/s: {res['core_share']:.3f} of a core "
                       f"(user {res['user_share']:.3f}, sys {res['sys_share']:.3f}), "
-                      f"{res['events_per_cpu_s']:,} events/CPU-s, {res['us_cpu_per_event']} us "
+                      f"{res['events_per_cpu_s'] or 0:,} events/CPU-s, "
+                      f"{res['us_cpu_per_event']} us "
                       f"CPU/event, emit p50/p99 {res['emit_latency_ms']['p50']}/"
                       f"{res['emit_latency_ms']['p99']} ms, journal "
                       f"{res['journal_bytes_per_emitter']['mean']:,} B/emitter (max "
@@ -234,7 +263,7 @@ def main() -> int:
         for tree in trees.values():
             shutil.rmtree(tree.parent, ignore_errors=True)
     ok = {n: [r for r in rs if "error" not in r] for n, rs in runs.items()}
-    cur = ok["working tree"]
+    cur = ok[variants[0][0]]
     best = min((r["core_share"] for r in cur), default=None)
     worst = max((r["core_share"] for r in cur), default=None)
     res_all: dict[str, Any] = {
@@ -245,7 +274,20 @@ def main() -> int:
                      "target": f"<= {GOAL_CORE_SHARE}",
                      "met": worst is not None and worst <= GOAL_CORE_SHARE}],
     }
-    print(f"working tree: share of a core {best}-{worst} (goal <= {GOAL_CORE_SHARE})")
+    print(f"{variants[0][0]}: share of a core {best}-{worst} (goal <= {GOAL_CORE_SHARE})")
+    base = ok.get("no-op callers (baseline)") or []
+    if base:
+        b = statistics.fmean(r["core_share"] for r in base)
+        res_all["baseline_core_share"] = round(b, 4)
+        res_all["own_core_share"] = {}
+        for name, rs in ok.items():
+            if rs and rs[0].get("mode") != "noop":
+                shares = [r["core_share"] for r in rs]
+                own = [round(x - b, 4) for x in shares]
+                res_all["own_core_share"][name] = own
+                print(f"{name}: mean {statistics.fmean(shares):.3f} of a core; minus the no-op "
+                      f"callers' {b:.3f}: {statistics.fmean(own):.3f} "
+                      f"({min(own):.3f}-{max(own):.3f})")
     if a.json:
         a.json.write_text(json.dumps(res_all, indent=2) + "\n")
     return 0 if cur else 1

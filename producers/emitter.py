@@ -36,9 +36,9 @@ Guarantees:
   scanned for ``image/``, ``video/`` and ``audio/`` content types or with ``redact=False``.
 
 Sending: the emitters of one event loop share one send task
-(:class:`~trajbus.producers.sender.SharedSender`): one journal sync round and one pass of sends
-for every emitter with pending events, at most every ``settings.producer.send_round_ms`` while
-more than one emitter is open.
+(:class:`~trajbus.producers.sender.SharedSender`): one journal sync round, then one record
+batch per partition, for every emitter with pending events, at most every
+``settings.producer.send_round_ms`` while more than one emitter is open.
 
 Ordering on Kafka follows seq order per sandbox (one partition, one in-flight batch, idempotent
 producer), except after a failed send is retried; consumers reorder by seq anyway.
@@ -70,7 +70,12 @@ from trajbus.consumers.watchdog.canonical import CanonicalError, canonicalizer
 from trajbus.producers.claimcheck import ClaimCheck
 from trajbus.producers.journal import Journal, JournalError
 from trajbus.producers.redact import Redactor
-from trajbus.producers.sender import BACKOFF_MIN_S, SharedSender, shared_sender
+from trajbus.producers.sender import (
+    BACKOFF_MAX_S,
+    BACKOFF_MIN_S,
+    SharedSender,
+    shared_sender,
+)
 from trajbus.schemas.codec import Codec, default_codec
 from trajbus.schemas.models import (
     EpisodeOutcome,
@@ -577,26 +582,107 @@ class SandboxEmitter:
             self._shared.notify(self)
         return event_id, rid
 
-    # -- sending (by the loop's SharedSender, trajbus.producers.sender) ----------------------
+    # -- sending: the protocol of the loop's SharedSender (trajbus.producers.sender) --------
+    # The sender calls only these methods (and reads ``_producer``, ``_key``, ``_on_ack``).
+    def _sender_wants_round(self) -> bool:
+        """Active with events pending (a backlog, or a backoff that ended)."""
+        return self._send_state == "active" and bool(self._pending)
+
+    def _sender_active(self) -> bool:
+        return self._send_state == "active"
+
+    def _sender_take(self, limit: int, now: float) -> list[_Item]:
+        """Up to ``limit`` pending events in record-id (seq) order for this round; none while
+        not active or backing off. With nothing pending this is an ack turn: the collected
+        acks are journaled (and a drained segment rolled) now."""
+        if self._send_state != "active" or self._retry_at > now:
+            return []  # backing off after a failed send: retry_later wakes it
+        pending = self._pending
+        if not pending:
+            self._flush_acks()
+            return []
+        batch = [heapq.heappop(pending)[1] for _ in range(min(limit, len(pending)))]
+        if self._shuffle is not None:  # tests: out-of-order sends within a window
+            window, rng = self._shuffle
+            for i in range(0, len(batch), window):
+                part = batch[i:i + window]
+                rng.shuffle(part)
+                batch[i:i + window] = part
+        return batch
+
+    def _sender_sync_fd(self) -> int | None:
+        """A duplicate of the journal's fd to fdatasync before this round's events are sent
+        (None: no sync needed -- ``durability="os"``, or nothing written since the last)."""
+        if self.durability != "fsync" or self._journal is None:
+            return None
+        return self._journal.sync_fd()
+
+    def _sender_unsynced(self) -> None:
+        """The sync round did not happen: sync again before the next send."""
+        if self._journal is not None:
+            self._journal.mark_dirty()
+
+    def _sender_sync_failed(self, items: list[_Item], exc: OSError) -> None:
+        """After a failed fdatasync the kernel may have dropped the journal's dirty pages: a
+        later sync that succeeds proves nothing about them. So this emitter sends nothing more
+        (its events stay journaled; a restarted emitter re-sends what the disk holds)."""
+        self._requeue(items)
+        self._send_state = "failed"
+        self.last_error = f"journal sync failed, sending stopped: {exc}"
+
+    def _sender_value(self, item: _Item) -> bytes | None:
+        """The bytes to send: in memory, or read back from the journal (spilled)."""
+        if item.value is not None:
+            return item.value
+        assert self._journal is not None
+        try:
+            return self._journal.read(item.seg, item.offset, item.length)
+        except OSError as exc:  # pragma: no cover - journal vanished under us
+            self.last_error = f"journal read: {exc}"
+            return None
+
+    def _sender_put_back(self, items: list[_Item]) -> None:
+        """Taken events that were not sent (paused or closed meanwhile)."""
+        if self._send_state != "closed":
+            self._requeue(items)
+
+    def _sender_retry(self, items: list[_Item], error: str,
+                      delay: float | None = None) -> None:
+        """The producer refused these events: back to the queue, retried after a backoff."""
+        self.last_error = error
+        self._requeue(items)
+        if delay is None:
+            self._backoff = delay = min(self._backoff * 2, BACKOFF_MAX_S)
+        self._retry_at = asyncio.get_running_loop().time() + delay
+        if self._shared is not None:
+            self._shared.retry_later(self, delay)
+
+    def _sender_sent_ok(self) -> None:
+        self._backoff = BACKOFF_MIN_S / 2
+
     def _requeue(self, items: list[_Item]) -> None:
         """Events taken for a send that did not happen go back to the pending queue."""
         for it in items:
             heapq.heappush(self._pending, (it.rid, it))
 
-    def _on_sent(self, item: _Item, value: bytes | None, fut: asyncio.Future[Any]) -> None:
+    def _sender_failed(self, item: _Item, exc: BaseException) -> None:
+        """The batch carrying ``item`` was not delivered: send it again (next round)."""
         item.in_flight = False
         if self._closed_flag:
             return
-        if fut.cancelled() or fut.exception() is not None:
-            exc = None if fut.cancelled() else fut.exception()
-            self.last_error = f"send failed: {type(exc).__name__}: {exc}"
-            heapq.heappush(self._pending, (item.rid, item))
-            if self._shared is not None:
-                self._shared.notify(self)
+        self.last_error = f"send failed: {type(exc).__name__}: {exc}"
+        heapq.heappush(self._pending, (item.rid, item))
+        if self._shared is not None:
+            self._shared.notify(self)
+
+    def _sender_acked(self, item: _Item, topic: str, partition: int, offset: int,
+                      value: bytes | None) -> None:
+        """The broker acknowledged ``item`` at ``topic``/``partition``/``offset``."""
+        item.in_flight = False
+        if self._closed_flag:
             return
         if self._unacked.pop(item.rid, None) is None:
             return
-        md = fut.result()
         self._acked_rids.append(item.rid)
         self.acked_count += 1
         left = self._seg_unacked.get(item.seg, 1) - 1
@@ -612,13 +698,14 @@ class SandboxEmitter:
             if (self._shared is not None and journal is not None
                     and journal.worth_rolling_drained(self._drained_roll_bytes)):
                 self._shared.notify(self)  # roll the drained segment now, not at the next event
-        waiter = self._ack_waiters.pop(item.rid, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if self._ack_waiters:
+            waiter = self._ack_waiters.pop(item.rid, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
         if self._on_ack is not None:
             episode = None if item.stream == SANDBOX_STREAM else item.stream
-            self._on_ack(AckInfo(item.kind, episode, item.seq, item.event_id, md.topic,
-                                 md.partition, md.offset, value or b"", item.resent))
+            self._on_ack(AckInfo(item.kind, episode, item.seq, item.event_id, topic,
+                                 partition, offset, value or b"", item.resent))
         if left <= 0 and self._journal is not None and item.seg != self._journal.active:
             self._gc_segments()
 

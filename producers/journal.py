@@ -283,6 +283,10 @@ class Journal:
         self._dirty = False
         return os.dup(self._fd)
 
+    def mark_dirty(self) -> None:
+        """Sync again at the next :meth:`sync_fd` (a sync round that did not run)."""
+        self._dirty = True
+
     def read(self, seg: int, offset: int, length: int) -> bytes:
         fd = os.open(self.path(seg), os.O_RDONLY | os.O_CLOEXEC)
         try:

@@ -15,8 +15,16 @@ a second (issue 18, item 4). Here the emitters of one loop hand their ready queu
    ``durability="fsync"`` that were written since their last sync: the fd duplicated *after*
    the events were appended, so every one of them is on disk before it is sent ("durable
    before sent", as before);
-3. send them through the process's shared producer, emitter by emitter, each emitter's events
-   in order; acks come back through each emitter's ``_on_sent`` callback, as before.
+3. send them through the process's shared producer as **one record batch per partition per
+   round** (``create_batch``/``send_batch``: one delivery future per batch, not one per
+   record), each emitter's events in seq order inside its partition's batch; when a batch's
+   future resolves, each of its events is acknowledged to its emitter (offset = the batch's
+   base offset + the record's place in it).
+
+What is durable when (``durability="fsync"``): an event is in the journal (``write(2)``, so it
+survives SIGKILL of the process) when its ``emit`` returns; it is on disk (``fdatasync``) before
+its batch is handed to the producer; it is acknowledged once the broker has it (``acks=all``,
+idempotent producer). Nothing is sent that a host crash could take out of the journal.
 
 Ack records are not written by the sender: an emitter journals the acks it collected in the
 same ``write(2)`` as its next event (or at ``flush``/``drain``/``close``, or when a drained
@@ -24,23 +32,31 @@ segment is due to roll: the emitter asks the sender for that turn).
 
 Failures stay per emitter: a failed journal sync stops sending *that* emitter's events (its
 journal may have lost pages; they stay journaled and are re-sent by the next emitter on the
-directory) and is reported in its ``last_error``; a send that raises re-queues the rest of
-that emitter's batch and retries it after a backoff, without holding up the others.
+directory) and is reported in its ``last_error``; a batch the producer refuses, or whose
+delivery fails, goes back to its emitters' queues and is retried after a backoff (a failed
+delivery at once, as a failed ``send()`` was before).
+
+The sender talks to its emitters through a small protocol (the ``_sender_*`` methods of
+:class:`~trajbus.producers.emitter.SandboxEmitter`): take a batch, the journal fd to sync, put
+events back, acknowledged, failed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import heapq
 import logging
 import os
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from trajbus.bus.producer import CachedPartitioner
+
 if TYPE_CHECKING:
-    from trajbus.producers.emitter import SandboxEmitter
+    from aiokafka import AIOKafkaProducer
+
+    from trajbus.producers.emitter import SandboxEmitter, _Item
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +65,9 @@ BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
 
 SyncFn = Callable[[int], None]
+# one event of a record batch: its emitter, the event, its value when on_ack wants it, and its
+# offset relative to the batch's base offset
+_Entry = tuple["SandboxEmitter", "_Item", "bytes | None", int]
 
 
 def _sync_all(sync_fn: SyncFn, fds: list[int]) -> list[OSError | None]:
@@ -76,6 +95,7 @@ class SharedSender:
         self.rounds = 0  # for tests and metrics
         self.sync_rounds = 0
         self.syncs = 0
+        self.batches = 0  # record batches handed to the producer
 
     # -- membership ---------------------------------------------------------------------------
     def join(self, em: SandboxEmitter) -> None:
@@ -105,7 +125,7 @@ class SharedSender:
         asyncio.get_running_loop().call_later(delay, self._retry, em)
 
     def _retry(self, em: SandboxEmitter) -> None:
-        if em._send_state == "active" and em._pending:
+        if em._sender_wants_round():
             self.notify(em)
 
     # -- the rounds ---------------------------------------------------------------------------
@@ -133,32 +153,23 @@ class SharedSender:
             await asyncio.sleep(0)  # let emitters run between rounds
 
     async def _round(self, ready: dict[SandboxEmitter, None]) -> None:
-        batches: list[tuple[SandboxEmitter, list[Any]]] = []
+        batches: list[tuple[SandboxEmitter, list[_Item]]] = []
         syncing: list[tuple[SandboxEmitter, int]] = []
         # -- no await: a batch is taken and its journal's fd duplicated in one step -----------
         now = asyncio.get_running_loop().time()
         for em in ready:
-            if em._send_state != "active":
+            batch = em._sender_take(SEND_BATCH, now)
+            if not batch:
                 continue
-            if em._retry_at > now:  # backing off after a failed send: retry_later wakes it
-                continue
-            if not em._pending:
-                em._flush_acks()  # an ack turn: journal the acks, roll a drained segment
-                continue
-            pending = em._pending
-            batch = [heapq.heappop(pending)[1]
-                     for _ in range(min(SEND_BATCH, len(pending)))]
-            if pending:  # a backlog: the rest goes in the next round
+            if em._sender_wants_round():  # a backlog: the rest goes in the next round
                 self._ready[em] = None
-            journal = em._journal
-            if em.durability == "fsync" and journal is not None:
-                try:
-                    fd = journal.sync_fd()
-                except OSError as exc:
-                    self._sync_failed(em, batch, exc)
-                    continue
-                if fd is not None:
-                    syncing.append((em, fd))
+            try:
+                fd = em._sender_sync_fd()
+            except OSError as exc:
+                em._sender_sync_failed(batch, exc)
+                continue
+            if fd is not None:
+                syncing.append((em, fd))
             batches.append((em, batch))
         if syncing:
             fds = [fd for _, fd in syncing]
@@ -166,13 +177,10 @@ class SharedSender:
                 errors = await asyncio.to_thread(_sync_all, self._sync_fn, fds)
             except Exception as exc:  # no sync happened (e.g. the executor is shut down)
                 for em, batch in batches:
-                    em._requeue(batch)
-                    em.last_error = f"journal sync round: {type(exc).__name__}: {exc}"
-                    em._retry_at = asyncio.get_running_loop().time() + BACKOFF_MAX_S
-                    self.retry_later(em, BACKOFF_MAX_S)
+                    em._sender_retry(batch, f"journal sync round: {type(exc).__name__}: {exc}",
+                                     BACKOFF_MAX_S)
                 for em, _ in syncing:
-                    if em._journal is not None:
-                        em._journal._dirty = True  # sync again before sending
+                    em._sender_unsynced()  # sync again before sending
                 return
             finally:
                 for fd in fds:
@@ -188,66 +196,108 @@ class SharedSender:
                     if err is None:
                         kept.append((em, batch))
                     else:
-                        self._sync_failed(em, batch, err)
+                        em._sender_sync_failed(batch, err)
                 batches = kept
+        if batches:
+            await self._send(batches)
+
+    async def _send(self, batches: list[tuple[SandboxEmitter, list[_Item]]]) -> None:
+        """One record batch per (producer, topic, partition) for this round's events."""
+        groups: dict[tuple[AIOKafkaProducer, str, int], list[tuple[SandboxEmitter, _Item]]] = {}
         for em, batch in batches:
-            if em._send_state != "active":
-                if em._send_state == "paused":
-                    em._requeue(batch)
+            producer = em._producer
+            assert producer is not None
+            try:  # an emitter's events go to its key's partition of each topic
+                where = {t: await _partition(producer, t, em._key)
+                         for t in {item.topic for item in batch}}
+            except Exception as exc:  # no metadata for a topic: retry later
+                em._sender_retry(batch, f"{type(exc).__name__}: {exc}")
                 continue
-            try:
-                await self._send(em, batch)
-            except Exception as exc:  # a broken emitter must not stop the others
-                em._send_state = "failed"
-                em.last_error = f"sender: {type(exc).__name__}: {exc}"
+            for item in batch:
+                groups.setdefault((producer, item.topic, where[item.topic]), []).append(
+                    (em, item))
+        failed: set[SandboxEmitter] = set()
+        for (producer, topic, p), items in groups.items():
+            await self._send_group(producer, topic, p, items, failed)
 
-    @staticmethod
-    def _sync_failed(em: SandboxEmitter, batch: list[Any], exc: OSError) -> None:
-        """After a failed fdatasync the kernel may have dropped the journal's dirty pages: a
-        later sync that succeeds proves nothing about them. So this emitter sends nothing more
-        (its events stay journaled; a restarted emitter re-sends what the disk holds)."""
-        em._requeue(batch)
-        em._send_state = "failed"
-        em.last_error = f"journal sync failed, sending stopped: {exc}"
-
-    async def _send(self, em: SandboxEmitter, batch: list[Any]) -> None:
-        producer = em._producer
-        journal = em._journal
-        assert producer is not None and journal is not None
-        if em._shuffle is not None:
-            window, rng = em._shuffle
-            for i in range(0, len(batch), window):
-                part = batch[i:i + window]
-                rng.shuffle(part)
-                batch[i:i + window] = part
-        key = em._key
-        on_sent = em._on_sent
-        keep_value = em._on_ack is not None
-        for i, item in enumerate(batch):
-            if em._send_state != "active":  # closed or paused while this round awaited
-                if em._send_state == "paused":
-                    em._requeue(batch[i:])
-                return
-            value = item.value
-            if value is None:
-                try:
-                    value = journal.read(item.seg, item.offset, item.length)
-                except OSError as exc:  # pragma: no cover - journal vanished under us
-                    em._requeue(batch[i:])
-                    raise RuntimeError(f"journal read: {exc}") from exc
+    async def _send_group(self, producer: AIOKafkaProducer, topic: str, partition: int,
+                          items: list[tuple[SandboxEmitter, _Item]],
+                          failed: set[SandboxEmitter]) -> None:
+        # -- no await until send_batch: the state check and the batch are one step ------------
+        entries: list[_Entry] = []
+        builder = producer.create_batch()
+        chunks: list[tuple[Any, list[_Entry]]] = []
+        back: dict[SandboxEmitter, list[_Item]] = {}
+        for em, item in items:
+            if em in failed or not em._sender_active():  # paused, closed, failed meanwhile
+                back.setdefault(em, []).append(item)
+                continue
+            value = em._sender_value(item)
+            if value is None:  # the journal vanished under us (pragma: no cover)
+                back.setdefault(em, []).append(item)
+                continue
+            md = builder.append(key=em._key, value=value, timestamp=None)
+            if md is None:  # the batch is full: another one
+                chunks.append((builder, entries))
+                builder, entries = producer.create_batch(), []
+                md = builder.append(key=em._key, value=value, timestamp=None)
+                if md is None:  # pragma: no cover - larger than an empty batch takes
+                    back.setdefault(em, []).append(item)
+                    continue
+            entries.append((em, item, value if em._on_ack is not None else None, md.offset))
+        if entries:
+            chunks.append((builder, entries))
+        for em, its in back.items():
+            em._sender_put_back(its)
+        for i, (builder, entries) in enumerate(chunks):
+            builder.close()
             try:
-                fut = await producer.send(item.topic, value, key=key)
-            except Exception as exc:  # KafkaTimeoutError, connection errors...
-                em.last_error = f"{type(exc).__name__}: {exc}"
-                em._requeue(batch[i:])
-                em._backoff = min(em._backoff * 2, BACKOFF_MAX_S)
-                em._retry_at = asyncio.get_running_loop().time() + em._backoff
-                self.retry_later(em, em._backoff)
+                fut = await producer.send_batch(builder, topic, partition=partition)
+            except Exception as exc:  # KafkaTimeoutError, producer closed...
+                msg = f"{type(exc).__name__}: {exc}"
+                for _, rest in chunks[i:]:
+                    by_em: dict[SandboxEmitter, list[_Item]] = {}
+                    for em, item, _, _ in rest:
+                        by_em.setdefault(em, []).append(item)
+                    for em, its in by_em.items():
+                        failed.add(em)
+                        em._sender_retry(its, msg)
                 return
-            item.in_flight = True
-            fut.add_done_callback(functools.partial(on_sent, item,
-                                                    value if keep_value else None))
-        em._backoff = BACKOFF_MIN_S / 2
+            self.batches += 1
+            for _em, item, _, _ in entries:
+                item.in_flight = True
+            fut.add_done_callback(functools.partial(_delivered, entries))
+        for em in {e for e, _ in items} - failed:
+            em._sender_sent_ok()
+
+
+async def _partition(producer: AIOKafkaProducer, topic: str, key: bytes) -> int:
+    """The partition ``producer.send(topic, value, key=key)`` picks: murmur2 of the key over the
+    topic's partitions, as the producer's partitioner (:class:`CachedPartitioner`, the
+    default partitioner's choice for every key) does; waits for the topic's metadata if
+    needed."""
+    partitions = await producer.partitions_for(topic)
+    return int(_PARTITIONER(key, list(partitions), []))
+
+
+_PARTITIONER = CachedPartitioner()
+
+
+def _delivered(entries: list[_Entry], fut: asyncio.Future[Any]) -> None:
+    """A record batch's delivery future resolved: acknowledge (or fail) each of its events."""
+    if fut.cancelled():
+        exc: BaseException = asyncio.CancelledError()
+    else:
+        exc_or_none = fut.exception()
+        if exc_or_none is None:
+            md = fut.result()
+            base = md.offset
+            for em, item, value, rel in entries:
+                em._sender_acked(item, md.topic, md.partition, base + rel, value)
+            return
+        exc = exc_or_none
+    for em, item, _, _ in entries:
+        em._sender_failed(item, exc)
 
 
 _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SharedSender] = (

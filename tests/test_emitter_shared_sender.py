@@ -19,7 +19,7 @@ import pytest
 from trajbus.bus import producer as producer_mod
 from trajbus.bus.producer import close_producer, get_producer
 from trajbus.bus.topics import Topics
-from trajbus.producers.emitter import SandboxEmitter
+from trajbus.producers.emitter import AckInfo, SandboxEmitter
 from trajbus.producers.journal import Journal
 from trajbus.producers.sender import shared_sender
 from trajbus.producers.testing import check_streams, create_topics, make_settings, read_topics
@@ -50,10 +50,17 @@ async def test_many_emitters_share_one_sender_exactly_once_in_seq_order(
     s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, partitions=3)
     await create_topics(s)
     n_em, per = 40, 30
-    ems = [await SandboxEmitter(f"sb-{i}", "task-a", settings=s).start() for i in range(n_em)]
+    acks: dict[str, tuple[str, int, int]] = {}  # event id -> where on_ack says it is
+
+    def on_ack(a: AckInfo) -> None:
+        assert a.event_id not in acks
+        acks[a.event_id] = (a.topic, a.partition, a.offset)
+
+    ems = [await SandboxEmitter(f"sb-{i}", "task-a", settings=s, on_ack=on_ack).start()
+           for i in range(n_em)]
     assert len(_sender_tasks()) == 1
     sender = shared_sender()
-    rounds0 = sender.rounds
+    rounds0, batches0 = sender.rounds, sender.batches
 
     async def drive(em: SandboxEmitter) -> None:
         await em.start_episode("e")
@@ -69,6 +76,9 @@ async def test_many_emitters_share_one_sender_exactly_once_in_seq_order(
     assert sum(em.acked_count for em in ems) == total
     # rounds are shared: far fewer rounds than events
     assert sender.rounds - rounds0 < total / 3, (sender.rounds - rounds0, total)
+    # one record batch per partition per round, not one send per event
+    assert sender.batches - batches0 <= 3 * (sender.rounds - rounds0)
+    assert sender.batches - batches0 < total / 3, (sender.batches - batches0, total)
     assert len(_sender_tasks()) == 1
     for em in ems:
         assert await em.close(10)
@@ -79,6 +89,8 @@ async def test_many_emitters_share_one_sender_exactly_once_in_seq_order(
     assert check_streams(seen).problems() == []
     for sandbox, seqs in _by_sandbox_in_offset_order(seen).items():
         assert seqs == list(range(per + 2)), sandbox
+    # each acknowledgement names the record's own offset (the batch's base + its place)
+    assert {x.header["event_id"]: (x.topic, x.partition, x.offset) for x in seen} == acks
 
 
 async def test_every_event_is_sent_after_a_sync_of_its_append(kafka_broker, unique_name,
@@ -98,20 +110,36 @@ async def test_every_event_is_sent_after_a_sync_of_its_append(kafka_broker, uniq
     appended: dict[bytes, list[tuple[int, int]]] = defaultdict(list)  # key -> (inode, size)
     sends: dict[bytes, int] = defaultdict(int)
     late: list[str] = []
-    real_send = producer.send
+    real_create, real_send_batch = producer.create_batch, producer.send_batch
 
-    async def send(topic, value, key=None, **kw):
-        i = sends[key]
-        sends[key] += 1
-        if i < len(appended[key]):
-            ino, size = appended[key][i]
-            if synced[ino] < size:
-                late.append(f"{key!r} #{i}: synced {synced[ino]} < appended {size}")
-        else:
-            late.append(f"{key!r} #{i}: sent before its emit returned")
-        return await real_send(topic, value, key=key, **kw)
+    class Batch:  # records the keys of a batch; the producer sends the real one
+        def __init__(self) -> None:
+            self.real = real_create()
+            self.keys: list[bytes] = []
 
-    monkeypatch.setattr(producer, "send", send)
+        def append(self, *, key, value, timestamp):
+            md = self.real.append(key=key, value=value, timestamp=timestamp)
+            if md is not None:
+                self.keys.append(key)
+            return md
+
+        def close(self) -> None:
+            self.real.close()
+
+    async def send_batch(batch, topic, *, partition):
+        for key in batch.keys:
+            i = sends[key]
+            sends[key] += 1
+            if i < len(appended[key]):
+                ino, size = appended[key][i]
+                if synced[ino] < size:
+                    late.append(f"{key!r} #{i}: synced {synced[ino]} < appended {size}")
+            else:
+                late.append(f"{key!r} #{i}: sent before its emit returned")
+        return await real_send_batch(batch.real, topic, partition=partition)
+
+    monkeypatch.setattr(producer, "create_batch", Batch)
+    monkeypatch.setattr(producer, "send_batch", send_batch)
     ems = [await SandboxEmitter(f"sb-{i}", "task-a", settings=s).start() for i in range(10)]
 
     async def drive(em: SandboxEmitter) -> None:
