@@ -73,6 +73,13 @@ def _header_json(h: dict[str, Any]) -> str:
     return _HEADER_JSON(h)
 
 
+def _frame_text(header_json: str, body: bytes) -> bytes:
+    """One frame: ``<u32 length><u32 crc32>`` + ``<u32 header length>`` + header + body."""
+    hj = header_json.encode()
+    head = _HLEN.pack(len(hj)) + hj
+    return _FRAME.pack(len(head) + len(body), zlib.crc32(body, zlib.crc32(head))) + head + body
+
+
 SEG_PREFIX = "seg-"
 SEG_SUFFIX = ".log"
 
@@ -230,10 +237,7 @@ class Journal:
 
     @staticmethod
     def _frame(header: dict[str, Any], body: bytes) -> bytes:
-        hj = _header_json(header).encode()
-        hlen = _HLEN.pack(len(hj))
-        crc = zlib.crc32(body, zlib.crc32(hj, zlib.crc32(hlen)))
-        return b"".join((_FRAME.pack(len(hlen) + len(hj) + len(body), crc), hlen, hj, body))
+        return _frame_text(_header_json(header), body)
 
     def needs_roll(self, incoming: int) -> bool:
         return self._size + incoming > self.segment_bytes and self._size > 4096
@@ -253,7 +257,11 @@ class Journal:
         size (neither record written) and :class:`JournalError` raised."""
         frame = self._frame(header, body)
         if acks:
-            frame = self._frame({"t": "A", "r": _ranges(acks)}, b"") + frame
+            if len(acks) == 1:  # the usual case: one event acked since the last write
+                a = acks[0]
+                frame = _frame_text(f'{{"t":"A","r":[[{a:d},{a:d}]]}}', b"") + frame
+            else:
+                frame = self._frame({"t": "A", "r": _ranges(acks)}, b"") + frame
         start = self._size
         try:
             view = memoryview(frame)

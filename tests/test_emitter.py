@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -252,6 +253,27 @@ def test_event_ids_are_uuid4_hex() -> None:
     for x in ids:
         u = uuid.UUID(hex=x)
         assert u.hex == x and u.version == 4 and u.variant == uuid.RFC_4122
+
+
+def test_a_forked_child_never_repeats_its_parents_event_ids() -> None:
+    """Ids come in batches from one os.urandom call; a child must not take the rest of the
+    parent's batch."""
+    from trajbus.producers.emitter import _new_event_id
+
+    _new_event_id()  # the parent has a batch under way
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.write(w, "".join(_new_event_id() for _ in range(10)).encode())
+        os._exit(0)
+    os.close(w)
+    child = os.read(r, 4096).decode()
+    os.close(r)
+    os.waitpid(pid, 0)
+    parent = "".join(_new_event_id() for _ in range(10))
+    assert len(child) == len(parent) == 320
+    assert {child[i:i + 32] for i in range(0, 320, 32)}.isdisjoint(
+        {parent[i:i + 32] for i in range(0, 320, 32)})
 
 
 def test_cached_partitioner_picks_the_default_partitioners_partition() -> None:
