@@ -115,7 +115,12 @@ async def run_workers(settings: Settings, names: list[str], worker_id: str,
     async def guarded(runner: Runner) -> None:
         try:
             await runner.run(until_idle=until_idle)
-        except BaseException:  # one processor failing stops the others (their threads)
+        except BaseException as exc:  # one processor failing stops the others (their threads)
+            if not isinstance(exc, asyncio.CancelledError):
+                # the user sees one line (trajbus.cli); with -v the log keeps where it came from
+                logging.getLogger("trajbus.worker").info(
+                    "%s stopped: %s: %s", runner.spec.name, type(exc).__name__, exc,
+                    exc_info=True)
             for r in runners:
                 r.stopping.set()
             raise

@@ -45,7 +45,7 @@ from aiokafka.coordinator.protocol import (
     ConsumerProtocolMemberAssignment,
     ConsumerProtocolMemberMetadata,
 )
-from aiokafka.errors import KafkaConnectionError
+from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
 
 from trajbus.bus.admin import (
     TOPIC_SETUP_PATIENCE_S,
@@ -549,6 +549,8 @@ class Runner:
             while not self.stopping.is_set():
                 t_poll = time.perf_counter()
                 batch = await self._consumer.getmany(timeout_ms=200, max_records=2000)
+                if ticker.done():  # it only ends by failing: stop rather than run tickless
+                    ticker.result()
                 self._stats["poll_s"] += time.perf_counter() - t_poll
                 if self._check_restore():
                     idle_since = time.monotonic()
@@ -582,7 +584,8 @@ class Runner:
                     await self._inflight
                 self._inflight = None
             ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # its error (if any) was raised above; here it must not skip closing the clients
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await ticker
             await self._consumer.stop()
             await self._producer.stop()
@@ -748,23 +751,50 @@ class Runner:
         """Publish Tick events into every partition of the tick topics (default: the input
         topics), so time-driven rules fire even when no traffic arrives, the ticks are
         replayable from the log, and a tick inside an input partition marks how far that
-        partition has been written (a processing-time watermark)."""
+        partition has been written (a processing-time watermark).
+
+        A broker restart does not stop it: its producer's start is retried as topic set-up
+        is (``TOPIC_SETUP_PATIENCE_S``), and a tick that cannot be sent is skipped (the next
+        one carries the time). If it fails all the same, the main loop raises its error: a
+        worker never runs on without ticks."""
         interval = self.settings.scheduler.tick_interval_ms / 1000
-        producer = AIOKafkaProducer(**producer_options(
-            self.settings.kafka, client_id=f"{self.group_id}-{self.worker_id}-ticker"))
-        await producer.start()
+        tick_topics = self.spec.tick_topics or self.spec.input_topics
+
+        async def start() -> tuple[AIOKafkaProducer, list[tuple[str, int]]]:
+            producer = AIOKafkaProducer(**producer_options(
+                self.settings.kafka, client_id=f"{self.group_id}-{self.worker_id}-ticker"))
+            try:
+                await producer.start()
+                targets = [(t, p) for t in tick_topics
+                           for p in sorted(await producer.partitions_for(t))]
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await producer.stop()
+                raise
+            return producer, targets
+
+        producer, targets = await retry_while_broker_restarts(
+            start, transient=(KafkaConnectionError, KafkaTimeoutError),
+            patience_s=lambda: TOPIC_SETUP_PATIENCE_S, what=f"{self.spec.name}: ticker")
         try:
-            targets = [(t, p) for t in (self.spec.tick_topics or self.spec.input_topics)
-                       for p in sorted(await producer.partitions_for(t))]
             seq = 0
+            skipped = 0
             while True:
                 await asyncio.sleep(interval)
                 now = int(time.time() * 1000)
-                for topic, p in targets:
-                    tick = Tick(header=Envelope(task="_tick", sandbox="_tick", seq=seq,
-                                                event_time_ms=now,
-                                                producer_id=f"{self.group_id}.{self.worker_id}"))
-                    await producer.send(topic, tick.encode(), key=TICK_KEY, partition=p)
+                try:
+                    for topic, p in targets:
+                        tick = Tick(header=Envelope(
+                            task="_tick", sandbox="_tick", seq=seq, event_time_ms=now,
+                            producer_id=f"{self.group_id}.{self.worker_id}"))
+                        await producer.send(topic, tick.encode(), key=TICK_KEY, partition=p)
+                except KafkaError as exc:  # the broker is away: the next tick tells the time
+                    skipped += 1
+                    if skipped == 1 or skipped % 60 == 0:
+                        log.warning("%s: ticker: %d tick(s) not sent (%s: %s); still trying",
+                                    self.spec.name, skipped, type(exc).__name__, exc)
+                else:
+                    skipped = 0
                 seq += 1
         finally:
             await producer.stop()
