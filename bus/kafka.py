@@ -142,6 +142,29 @@ async def _sasl_refusal(k: KafkaSettings) -> str | None:
     return None
 
 
+def broker_went_away(exc: BaseException) -> bool:
+    """True for a client error that says the broker is unreachable or restarting (the
+    connection refused, closed or timed out, the node or coordinator not ready) -- also when
+    aiokafka wrapped it in a plain ``KafkaError`` (its producer's coordinator look-up does)."""
+    from aiokafka.errors import (
+        CoordinatorNotAvailableError,
+        KafkaConnectionError,
+        KafkaTimeoutError,
+        NodeNotReadyError,
+        NotCoordinatorError,
+        RequestTimedOutError,
+    )
+
+    away = (KafkaConnectionError, KafkaTimeoutError, NodeNotReadyError, RequestTimedOutError,
+            CoordinatorNotAvailableError, NotCoordinatorError, ConnectionError, TimeoutError)
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, away):
+            return True
+        seen = seen.__cause__
+    return False
+
+
 async def retry_while_broker_restarts(
         attempt: Callable[[], Awaitable[T]], *, transient: tuple[type[BaseException], ...],
         patience_s: Callable[[], float], what: str) -> T:

@@ -52,7 +52,12 @@ from trajbus.bus.admin import (
     ensure_topics,
     leave_group_as_static_member,
 )
-from trajbus.bus.kafka import check_broker, connection_options, retry_while_broker_restarts
+from trajbus.bus.kafka import (
+    broker_went_away,
+    check_broker,
+    connection_options,
+    retry_while_broker_restarts,
+)
 from trajbus.bus.producer import producer_options
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics, TopicSpec
@@ -499,15 +504,15 @@ class Runner:
         await check_broker(self.settings.kafka)
         await self._prepare_topics()
         k = self.settings.kafka
-        self._producer = AIOKafkaProducer(**producer_options(
+        producer_args = producer_options(
             k, client_id=f"{self.group_id}-{self.worker_id}",
             transactional_id=f"{self.group_id}.{self.worker_id}",
             # outputs wrap inputs (dead letters, segments): allow the derived topics' size
             max_request_size=max(k.max_request_size, self.topics.derived_max_bytes + 65536),
             # A batch's records are all appended before the transaction commits, and the
             # commit waits for them: lingering only delays every transaction.
-            linger_ms=0))
-        self._consumer = AIOKafkaConsumer(
+            linger_ms=0)
+        consumer_args = dict(
             **connection_options(k),
             group_id=self.group_id,
             client_id=f"{self.group_id}-{self.worker_id}",
@@ -534,8 +539,8 @@ class Runner:
             max_partition_fetch_bytes=k.max_request_size,
             fetch_max_bytes=4 * k.max_request_size,
         )
-        await self._producer.start()
-        await self._consumer.start()
+        await self._start_clients(producer_args, consumer_args)
+        assert self._producer is not None and self._consumer is not None
         if self.spec.input_pattern:
             pattern = "|".join([self.spec.input_pattern] +
                                [re.escape(t) + "$" for t in self.spec.input_topics])
@@ -591,6 +596,32 @@ class Runner:
             await self._producer.stop()
             if clean:  # a crash stays a member: its restart takes the partitions back
                 await self._leave_group()
+
+    async def _start_clients(self, producer_args: dict[str, Any],
+                             consumer_args: dict[str, Any]) -> None:
+        """Start the transactional producer and the group consumer. The broker answered a
+        moment ago (check_broker); if it goes away while they start (a restart: the soak of
+        2026-12-01 lost a worker whose producer was looking up its transaction coordinator
+        when the broker stopped), they are built again and retried for up to
+        ``TOPIC_SETUP_PATIENCE_S``, as topic set-up is."""
+        async def start() -> tuple[AIOKafkaProducer, AIOKafkaConsumer]:
+            producer = AIOKafkaProducer(**producer_args)
+            consumer = AIOKafkaConsumer(**consumer_args)
+            try:
+                await producer.start()
+                await consumer.start()
+            except BaseException as exc:
+                for client in (consumer, producer):
+                    with contextlib.suppress(Exception):
+                        await client.stop()
+                if broker_went_away(exc):
+                    raise KafkaConnectionError(str(exc)) from exc
+                raise
+            return producer, consumer
+
+        self._producer, self._consumer = await retry_while_broker_restarts(
+            start, transient=(KafkaConnectionError,),
+            patience_s=lambda: TOPIC_SETUP_PATIENCE_S, what=f"{self.spec.name}: start")
 
     @property
     def instance_id(self) -> str:
