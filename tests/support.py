@@ -202,3 +202,20 @@ def broker_unavailable(exc: BaseException) -> NoReturn:
             "against an existing broker. Unset CI to skip these tests instead.",
             pytrace=False)
     pytest.skip(f"{what} (set CI=true to make this a failure)")
+
+
+class QuietCore:
+    """A processor core with no outputs and no state, for runner tests where only the
+    runner's own clients (its ticker, its start-up) are under test."""
+
+    def handle(self, rec: object) -> list[object]:
+        return []
+
+    def tick(self, now_ms: int) -> list[object]:
+        return []
+
+    def take_dirty(self) -> dict[str, bytes | None]:
+        return {}
+
+    def restore(self, key: str, blob: bytes | None) -> None:
+        pass

@@ -22,13 +22,13 @@ from aiokafka.errors import (
     NodeNotReadyError,
     TransactionalIdAuthorizationFailed,
 )
-from support import settings_for
+from support import QuietCore, settings_for
 
 from trajbus.bus.admin import ensure_topics
 from trajbus.bus.kafka import broker_went_away
 from trajbus.bus.topics import TopicSpec
 from trajbus.consumers.engine import runner as runner_module
-from trajbus.consumers.engine.runner import InRecord, OutRecord, ProcessorSpec, Runner
+from trajbus.consumers.engine.runner import ProcessorSpec, Runner
 
 PARTITIONS = 2
 
@@ -50,20 +50,6 @@ def test_errors_of_a_broker_that_went_away_are_told_from_other_errors() -> None:
     assert not broker_went_away(KafkaError("something else"))
     assert not broker_went_away(TransactionalIdAuthorizationFailed())
     assert not broker_went_away(ValueError("bad setting"))
-
-
-class Quiet:
-    def handle(self, rec: InRecord) -> list[OutRecord]:
-        return []
-
-    def tick(self, now_ms: int) -> list[OutRecord]:
-        return []
-
-    def take_dirty(self) -> dict[str, bytes | None]:
-        return {}
-
-    def restore(self, key: str, blob: bytes | None) -> None:
-        pass
 
 
 @pytest.fixture
@@ -89,7 +75,7 @@ async def _run(kafka_broker: Any, unique_name: str) -> Runner:
     in_topic = f"{unique_name}.in"
     await ensure_topics(settings, [TopicSpec(in_topic, PARTITIONS, "test input", "key")])
     runner = Runner(settings, ProcessorSpec(name="quiet", input_topics=[in_topic],
-                                            factory=Quiet), "w0")
+                                            factory=QuietCore), "w0")
     await asyncio.wait_for(runner.run(until_idle=2.0), timeout=60)
     return runner
 

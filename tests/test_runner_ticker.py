@@ -22,33 +22,17 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError
-from support import settings_for
+from support import QuietCore, settings_for
 
 from trajbus.bus.admin import ensure_topics
 from trajbus.bus.kafka import connection_options
 from trajbus.bus.topics import TopicSpec
 from trajbus.consumers.engine import runner as runner_module
-from trajbus.consumers.engine.runner import TICK_KEY, InRecord, OutRecord, ProcessorSpec, Runner
+from trajbus.consumers.engine.runner import TICK_KEY, ProcessorSpec, Runner
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(120)]
 
 PARTITIONS = 3
-
-
-class Quiet:
-    """A core with no outputs and no state: only the ticker writes."""
-
-    def handle(self, rec: InRecord) -> list[OutRecord]:
-        return []
-
-    def tick(self, now_ms: int) -> list[OutRecord]:
-        return []
-
-    def take_dirty(self) -> dict[str, bytes | None]:
-        return {}
-
-    def restore(self, key: str, blob: bytes | None) -> None:
-        pass
 
 
 def _is_ticker(producer: AIOKafkaProducer) -> bool:
@@ -101,7 +85,7 @@ async def _ticks_per_partition(settings: Any, topic: str) -> dict[int, int]:
 
 def _runner(settings: Any, unique_name: str) -> tuple[Runner, str]:
     in_topic = f"{unique_name}.in"
-    spec = ProcessorSpec(name="quiet", input_topics=[in_topic], factory=Quiet)
+    spec = ProcessorSpec(name="quiet", input_topics=[in_topic], factory=QuietCore)
     return Runner(settings, spec, "w0"), in_topic
 
 
