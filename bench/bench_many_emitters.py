@@ -62,13 +62,15 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
     from trajbus.producers.emitter import SandboxEmitter
     from trajbus.producers.testing import create_topics, make_settings
 
-    settings = make_settings(a.bootstrap, a.prefix, partitions=a.partitions)
+    extra = {} if a.send_round_ms is None else {"send_round_ms": a.send_round_ms}
+    settings = make_settings(a.bootstrap, a.prefix, partitions=a.partitions, **extra)
     await create_topics(settings, [Topics(settings).sandbox_events])
     state = Path(tempfile.mkdtemp(prefix="bench-many-emitters-"))
     loop = asyncio.get_running_loop()
     ems: list[Any] = []
     for i in range(a.emitters):
-        em = SandboxEmitter(f"many-{i}", "bench", settings=settings, state_dir=state / f"{i:05d}")
+        em = SandboxEmitter(f"many-{i}", "bench", settings=settings, state_dir=state / f"{i:05d}",
+                            durability=a.durability)
         await em.start()
         ems.append(em)
     await asyncio.gather(*(em.start_episode("e") for em in ems))
@@ -138,7 +140,9 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
 
     return {
         "emitters": a.emitters, "rate_per_emitter": a.rate, "seconds": round(wall, 2),
-        "mode": a.mode, "core_share": round(cpu / wall, 4), "user_share": round(user / wall, 4),
+        "mode": a.mode, "durability": a.durability,
+        "send_round_ms": settings.producer.send_round_ms, "core_share": round(cpu / wall, 4),
+        "user_share": round(user / wall, 4),
         "sys_share": round(system / wall, 4),
         # the event loop's thread; the rest is the thread pool's journal syncs
         "loop_thread_share": round((window["m1"] - window["m0"]) / wall, 4),
@@ -159,7 +163,10 @@ def run_child(a: argparse.Namespace, bootstrap: str, tree: Path | None,
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--bootstrap", bootstrap,
            "--prefix", f"bme-{uuid.uuid4().hex[:8]}", "--emitters", str(a.emitters),
            "--rate", str(a.rate), "--seconds", str(a.seconds), "--warmup", str(a.warmup),
-           "--partitions", str(a.partitions), "--mode", mode, "--json", str(out)]
+           "--partitions", str(a.partitions), "--mode", mode, "--durability", a.durability,
+           "--json", str(out)]
+    if a.send_round_ms is not None:
+        cmd += ["--send-round-ms", str(a.send_round_ms)]
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
@@ -196,6 +203,10 @@ def main() -> int:
     ap.add_argument("--emit-only", action="store_true",
                     help="each round also runs the working tree with sending paused (the emit "
                          "calls alone: redaction, canonical JSON, Avro, journal append)")
+    ap.add_argument("--send-round-ms", type=float, default=None,
+                    help="settings.producer.send_round_ms (default: the setting's default)")
+    ap.add_argument("--durability", choices=["fsync", "os"], default="fsync",
+                    help="the emitters' durability (os: no journal fdatasync; to see its cost)")
     ap.add_argument("--mode", choices=["emit", "noop", "emit-only"], default="emit",
                     help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

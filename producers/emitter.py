@@ -36,9 +36,9 @@ Guarantees:
   scanned for ``image/``, ``video/`` and ``audio/`` content types or with ``redact=False``.
 
 Sending: the emitters of one event loop share one send task
-(:class:`~trajbus.producers.sender.SharedSender`): one journal sync round, then one record
-batch per partition, for every emitter with pending events, at most every
-``settings.producer.send_round_ms`` while more than one emitter is open.
+(:class:`~trajbus.producers.sender.SharedSender`): one journal sync round and one pass of sends
+for every emitter with pending events, at most every ``settings.producer.send_round_ms`` while
+more than one emitter is open.
 
 Ordering on Kafka follows seq order per sandbox (one partition, one in-flight batch, idempotent
 producer), except after a failed send is retried; consumers reorder by seq anyway.
@@ -687,6 +687,11 @@ class SandboxEmitter:
 
     def _sender_sent_ok(self) -> None:
         self._backoff = BACKOFF_MIN_S / 2
+
+    def _sender_stop(self, error: str) -> None:
+        """A bug or a vanished journal: send nothing more (the events stay journaled)."""
+        self._send_state = "failed"
+        self.last_error = error
 
     def _requeue(self, items: list[_Item]) -> None:
         """Events taken for a send that did not happen go back to the pending queue."""

@@ -15,15 +15,19 @@ a second (issue 18, item 4). Here the emitters of one loop hand their ready queu
    ``durability="fsync"`` that were written since their last sync: the fd duplicated *after*
    the events were appended, so every one of them is on disk before it is sent ("durable
    before sent", as before);
-3. send them through the process's shared producer as **one record batch per partition per
-   round** (``create_batch``/``send_batch``: one delivery future per batch, not one per
-   record), each emitter's events in seq order inside its partition's batch; when a batch's
-   future resolves, each of its events is acknowledged to its emitter (offset = the batch's
-   base offset + the record's place in it).
+3. send them through the process's shared producer, emitter by emitter, each emitter's events
+   in seq order (one ``send()`` each: the producer batches them per partition, over rounds,
+   for ``linger_ms``); acks come back through each record's future.
+
+Not done: one ``send_batch`` per partition per round. Tried (issue 18): at 1,000 emitters x 1
+event/s a round holds ~2 events per partition, fewer than the producer's own batches gather
+over ``linger_ms``, and the process used the same CPU within the noise (8 alternating pairs);
+and ``send_batch`` waits until the partition's previous batch is drained, so one slow
+partition would hold up every other partition's sends in that round.
 
 What is durable when (``durability="fsync"``): an event is in the journal (``write(2)``, so it
 survives SIGKILL of the process) when its ``emit`` returns; it is on disk (``fdatasync``) before
-its batch is handed to the producer; it is acknowledged once the broker has it (``acks=all``,
+it is handed to the producer; it is acknowledged once the broker has it (``acks=all``,
 idempotent producer). Nothing is sent that a host crash could take out of the journal.
 
 Ack records are not written by the sender: an emitter journals the acks it collected in the
@@ -32,13 +36,13 @@ segment is due to roll: the emitter asks the sender for that turn).
 
 Failures stay per emitter: a failed journal sync stops sending *that* emitter's events (its
 journal may have lost pages; they stay journaled and are re-sent by the next emitter on the
-directory) and is reported in its ``last_error``; a batch the producer refuses, or whose
-delivery fails, goes back to its emitters' queues and is retried after a backoff (a failed
-delivery at once, as a failed ``send()`` was before).
+directory) and is reported in its ``last_error``; an event the producer refuses goes back to
+its emitter's queue with the rest of that emitter's batch and is retried after a backoff
+without holding up the others; a failed delivery is re-queued at once.
 
 The sender talks to its emitters through a small protocol (the ``_sender_*`` methods of
 :class:`~trajbus.producers.emitter.SandboxEmitter`): take a batch, the journal fd to sync, put
-events back, acknowledged, failed.
+events back, retry later, acknowledged, failed.
 """
 
 from __future__ import annotations
@@ -51,11 +55,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from trajbus.bus.producer import CachedPartitioner
-
 if TYPE_CHECKING:
-    from aiokafka import AIOKafkaProducer
-
     from trajbus.producers.emitter import SandboxEmitter, _Item
 
 log = logging.getLogger(__name__)
@@ -65,9 +65,6 @@ BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
 
 SyncFn = Callable[[int], None]
-# one event of a record batch: its emitter, the event, its value when on_ack wants it, and its
-# offset relative to the batch's base offset
-_Entry = tuple["SandboxEmitter", "_Item", "bytes | None", int]
 
 
 def _sync_all(sync_fn: SyncFn, fds: list[int]) -> list[OSError | None]:
@@ -95,7 +92,6 @@ class SharedSender:
         self.rounds = 0  # for tests and metrics
         self.sync_rounds = 0
         self.syncs = 0
-        self.batches = 0  # record batches handed to the producer
 
     # -- membership ---------------------------------------------------------------------------
     def join(self, em: SandboxEmitter) -> None:
@@ -202,102 +198,52 @@ class SharedSender:
             await self._send(batches)
 
     async def _send(self, batches: list[tuple[SandboxEmitter, list[_Item]]]) -> None:
-        """One record batch per (producer, topic, partition) for this round's events."""
-        groups: dict[tuple[AIOKafkaProducer, str, int], list[tuple[SandboxEmitter, _Item]]] = {}
         for em, batch in batches:
-            producer = em._producer
-            assert producer is not None
-            try:  # an emitter's events go to its key's partition of each topic
-                where = {t: await _partition(producer, t, em._key)
-                         for t in {item.topic for item in batch}}
-            except Exception as exc:  # no metadata for a topic: retry later
-                em._sender_retry(batch, f"{type(exc).__name__}: {exc}")
-                continue
-            for item in batch:
-                groups.setdefault((producer, item.topic, where[item.topic]), []).append(
-                    (em, item))
-        failed: set[SandboxEmitter] = set()
-        for (producer, topic, p), items in groups.items():
-            await self._send_group(producer, topic, p, items, failed)
-
-    async def _send_group(self, producer: AIOKafkaProducer, topic: str, partition: int,
-                          items: list[tuple[SandboxEmitter, _Item]],
-                          failed: set[SandboxEmitter]) -> None:
-        # -- no await until send_batch: the state check and the batch are one step ------------
-        entries: list[_Entry] = []
-        builder = producer.create_batch()
-        chunks: list[tuple[Any, list[_Entry]]] = []
-        back: dict[SandboxEmitter, list[_Item]] = {}
-        for em, item in items:
-            if em in failed or not em._sender_active():  # paused, closed, failed meanwhile
-                back.setdefault(em, []).append(item)
-                continue
-            value = em._sender_value(item)
-            if value is None:  # the journal vanished under us (pragma: no cover)
-                back.setdefault(em, []).append(item)
-                continue
-            md = builder.append(key=em._key, value=value, timestamp=None)
-            if md is None:  # the batch is full: another one
-                chunks.append((builder, entries))
-                builder, entries = producer.create_batch(), []
-                md = builder.append(key=em._key, value=value, timestamp=None)
-                if md is None:  # pragma: no cover - larger than an empty batch takes
-                    back.setdefault(em, []).append(item)
-                    continue
-            entries.append((em, item, value if em._on_ack is not None else None, md.offset))
-        if entries:
-            chunks.append((builder, entries))
-        for em, its in back.items():
-            em._sender_put_back(its)
-        for i, (builder, entries) in enumerate(chunks):
-            builder.close()
             try:
-                fut = await producer.send_batch(builder, topic, partition=partition)
-            except Exception as exc:  # KafkaTimeoutError, producer closed...
-                msg = f"{type(exc).__name__}: {exc}"
-                for _, rest in chunks[i:]:
-                    by_em: dict[SandboxEmitter, list[_Item]] = {}
-                    for em, item, _, _ in rest:
-                        by_em.setdefault(em, []).append(item)
-                    for em, its in by_em.items():
-                        failed.add(em)
-                        em._sender_retry(its, msg)
+                await self._send_one(em, batch)
+            except Exception as exc:  # a broken emitter must not stop the others
+                em._sender_stop(f"sender: {type(exc).__name__}: {exc}")
+
+    @staticmethod
+    async def _send_one(em: SandboxEmitter, batch: list[_Item]) -> None:
+        """``em``'s events in seq order, one ``send()`` each: the producer appends them to its
+        batch of their partition (which it sends after ``linger_ms``, so a batch gathers the
+        events of several rounds); each record's future acknowledges its event."""
+        producer = em._producer
+        assert producer is not None
+        key = em._key
+        keep_value = em._on_ack is not None
+        for i, item in enumerate(batch):
+            if not em._sender_active():  # paused or closed while this round awaited
+                em._sender_put_back(batch[i:])
                 return
-            self.batches += 1
-            for _em, item, _, _ in entries:
-                item.in_flight = True
-            fut.add_done_callback(functools.partial(_delivered, entries))
-        for em in {e for e, _ in items} - failed:
-            em._sender_sent_ok()
+            value = em._sender_value(item)
+            if value is None:  # pragma: no cover - journal vanished under us
+                em._sender_put_back(batch[i:])
+                raise RuntimeError(f"journal read: {em.last_error}")
+            try:
+                fut = await producer.send(item.topic, value, key=key)
+            except Exception as exc:  # KafkaTimeoutError, connection errors...
+                em._sender_retry(batch[i:], f"{type(exc).__name__}: {exc}")
+                return
+            item.in_flight = True
+            fut.add_done_callback(functools.partial(_delivered, em, item,
+                                                    value if keep_value else None))
+        em._sender_sent_ok()
 
 
-async def _partition(producer: AIOKafkaProducer, topic: str, key: bytes) -> int:
-    """The partition ``producer.send(topic, value, key=key)`` picks: murmur2 of the key over the
-    topic's partitions, as the producer's partitioner (:class:`CachedPartitioner`, the
-    default partitioner's choice for every key) does; waits for the topic's metadata if
-    needed."""
-    partitions = await producer.partitions_for(topic)
-    return int(_PARTITIONER(key, list(partitions), []))
-
-
-_PARTITIONER = CachedPartitioner()
-
-
-def _delivered(entries: list[_Entry], fut: asyncio.Future[Any]) -> None:
-    """A record batch's delivery future resolved: acknowledge (or fail) each of its events."""
+def _delivered(em: SandboxEmitter, item: _Item, value: bytes | None,
+               fut: asyncio.Future[Any]) -> None:
+    """A record's delivery future resolved: acknowledge (or fail) its event."""
     if fut.cancelled():
-        exc: BaseException = asyncio.CancelledError()
-    else:
-        exc_or_none = fut.exception()
-        if exc_or_none is None:
-            md = fut.result()
-            base = md.offset
-            for em, item, value, rel in entries:
-                em._sender_acked(item, md.topic, md.partition, base + rel, value)
-            return
-        exc = exc_or_none
-    for em, item, _, _ in entries:
+        em._sender_failed(item, asyncio.CancelledError())
+        return
+    exc = fut.exception()
+    if exc is not None:
         em._sender_failed(item, exc)
+        return
+    md = fut.result()
+    em._sender_acked(item, md.topic, md.partition, md.offset, value)
 
 
 _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SharedSender] = (

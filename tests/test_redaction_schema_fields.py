@@ -309,38 +309,17 @@ def test_every_redaction_rule_has_a_planted_sample() -> None:
 # -- the emitter, against everything planted --------------------------------------------------
 class RecordingProducer:
     """Stands in for the shared Kafka producer: keeps every (topic, key, value) the emitter
-    hands to Kafka (in record batches, as the shared sender sends), and acknowledges it at
-    once."""
+    hands to Kafka, and acknowledges it at once."""
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, bytes | None, bytes]] = []
 
-    async def partitions_for(self, topic: str) -> set[int]:
-        return {0}
-
-    def create_batch(self) -> RecordingBatch:
-        return RecordingBatch()
-
-    async def send_batch(self, batch: RecordingBatch, topic: str, *, partition: int
-                         ) -> asyncio.Future[Any]:
-        base = len(self.sent)
-        self.sent.extend((topic, key, value) for key, value in batch.records)
+    async def send(self, topic: str, value: bytes, key: bytes | None = None
+                   ) -> asyncio.Future[Any]:
+        self.sent.append((topic, key, value))
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        fut.set_result(SimpleNamespace(topic=topic, partition=partition, offset=base))
+        fut.set_result(SimpleNamespace(topic=topic, partition=0, offset=len(self.sent) - 1))
         return fut
-
-
-class RecordingBatch:
-    def __init__(self) -> None:
-        self.records: list[tuple[bytes | None, bytes]] = []
-
-    def append(self, *, key: bytes | None, value: bytes, timestamp: int | None
-               ) -> SimpleNamespace:
-        self.records.append((key, value))
-        return SimpleNamespace(offset=len(self.records) - 1)
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass
