@@ -33,6 +33,23 @@ prefix, and measures:
    its split at the loop's output record, throughput, CPU per stage); the ratios trajbus /
    peer (throughput: goal >= 0.5; p99 at 2,000 events/s) are target rows.
 
+4. **Where the latency goes** (``--probe-input``): a read_committed consumer of the input
+   topic beside the worker records each input record's Kafka timestamp; each event is
+   followed (by episode and seq) through the stages: the emitter (emit call -> input record),
+   the worker (input record -> replay record: fetch, batch, the previous transaction) and the
+   replay record -> the trainer (its transaction's commit and markers, the read_committed
+   fetch, the client); p50/p99 of each, and where the slowest 1 % spent their time. The
+   worker's own stats line (per batch polling / processing / waiting / transaction ms, the
+   input's age at poll) is parsed from its log.
+
+**A/B on a shared box**: ``--variant LABEL=REF[;ENV=VALUE...]`` (repeatable) runs the worker
+and the emitters of git REF (or a directory laid out as the package) with extra settings;
+``--rounds N`` alternates them (every variant once per round, in reverse order every other
+round, then the peer), each run on a fresh topic prefix; the summary gives each round's
+p50/p99 and their medians.
+``--paired-trainers`` makes the trainer variants (``--commit-every-ms``) read the same replay
+topic at the same time, each in its own group, so their difference is the client's alone.
+
 Memory at 20,000 concurrently open episodes is measured by ``bench/bench_reorder.py``
 (``memory.state_bytes_per_episode``); it is not repeated here.
 
@@ -58,7 +75,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not os.environ.get("BENCH_E2E_TREE"):  # a variant of another commit: its tree is on the path
+    sys.path.insert(0, str(ROOT))
 
 from trajbus.bus.settings import (  # noqa: E402
     KafkaSettings,
@@ -182,42 +200,37 @@ class Sink:
     first_ms: float = 0.0
     last_ms: float = 0.0
     episodes_done: int = 0
+    # per event, for the split by stage with --probe-input: (episode, seq, event time,
+    # replay record timestamp, receipt time)
+    receipts: list[tuple[str, int, float, float, float]] = field(default_factory=list)
 
 
 def replay_client(settings: Settings, task: str, group: str, max_in_flight: int,
                   commit_every_ms: float) -> Any:
-    """A ReplayClient; with ``commit_every_ms`` > 0 a bench-side subclass that coalesces offset
-    commits (at most one per interval; stop() still commits everything acknowledged). The
-    stock client commits synchronously on every acknowledgement that advances the offset,
-    i.e. one broker round trip per segment (and the reorder fast path emits one-event
-    segments). Acknowledgement semantics are unchanged: a crash re-delivers at most the
-    acknowledged-but-uncommitted tail, which the trainer's dedupe drops."""
+    """A ReplayClient with the given commit policy: 0 = its default (every ack returns once
+    committed), N = commits in the background at most once per N ms (a crash re-delivers
+    at most the acknowledged-but-uncommitted tail, which the trainer's dedupe drops)."""
     from trajbus.consumers.replay.client import ReplayClient
 
-    class CoalescingReplayClient(ReplayClient):
-        _last_commit = 0.0
+    return ReplayClient([task], group, settings, max_in_flight=max_in_flight,
+                        commit_every_ms=commit_every_ms)
 
-        async def _maybe_commit(self) -> None:
-            now = time.monotonic()
-            if (now - self._last_commit) * 1000 < commit_every_ms:
-                return
-            self._last_commit = now
-            await super()._maybe_commit()
 
-    cls = CoalescingReplayClient if commit_every_ms > 0 else ReplayClient
-    return cls([task], group, settings, max_in_flight=max_in_flight)
+def trainer_name(commit_every_ms: float) -> str:
+    return "stock" if commit_every_ms == 0 else f"commit{int(commit_every_ms)}ms"
 
 
 class InputProbe:
     """``--probe-input``: a read_committed consumer of the input topic beside the worker, to
     split the latency before the worker: event creation -> the Kafka record's create time
     (the emitter: journal, fsync, its send loop) and create time -> fetched by a consumer
-    (the producer's linger and in-flight queue, the broker, the fetch)."""
+    (the producer's linger and in-flight queue, the broker, the fetch). Each input record is
+    kept by (episode, seq), so :func:`stage_split` follows every event through each stage."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.emit_to_send: dict[str, list[float]] = {}
-        self.send_to_fetch: dict[str, list[float]] = {}
+        # phase -> (episode, seq) -> (input record timestamp, fetched by the probe)
+        self.seen: dict[str, dict[tuple[str, int], tuple[float, float]]] = {}
         self.task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -245,16 +258,18 @@ class InputProbe:
                 t = now_ms()
                 for msgs in batch.values():
                     for m in msgs:
+                        if m.key == b"_tick":
+                            continue
                         h = codec.decode(m.value).header
-                        phase = (h.get("episode") or "-").split("-", 1)[0]
-                        self.emit_to_send.setdefault(phase, []).append(
-                            m.timestamp - h["event_time_ms"])
-                        self.send_to_fetch.setdefault(phase, []).append(t - m.timestamp)
+                        ep = h.get("episode") or "-"
+                        self.seen.setdefault(ep.split("-", 1)[0], {})[(ep, h["seq"])] = (
+                            m.timestamp - h["event_time_ms"], t - m.timestamp)
         finally:
             await consumer.stop()
 
     def report(self, phase: str) -> dict[str, Any]:
-        a, b = self.emit_to_send.get(phase, []), self.send_to_fetch.get(phase, [])
+        seen = self.seen.get(phase, {}).values()
+        a, b = [x for x, _ in seen], [y for _, y in seen]
         return {"event_to_record_create": {"p50": round(percentile(a, 50), 1),
                                            "p99": round(percentile(a, 99), 1)},
                 "record_create_to_fetched": {"p50": round(percentile(b, 50), 1),
@@ -267,16 +282,60 @@ class InputProbe:
                 await self.task
 
 
+STAGES = ("emitter", "input_to_replay_record", "replay_record_to_trainer")
+STAGE_NOTES = {
+    "emitter": "emit call -> input record's timestamp (journal write + group fsync, the "
+               "shared sender's round, the producer's append)",
+    "input_to_replay_record": "input record -> replay record's timestamp (producer linger "
+                              "and ack, worker fetch, its batch, the previous transaction)",
+    "replay_record_to_trainer": "replay record -> the trainer holds it (the transaction's "
+                                "commit and markers, read_committed fetch, the client)",
+    "input_fetchable": "(beside) input record -> fetched by a read_committed probe consumer",
+}
+
+
+def stage_split(sink: Sink, probe: InputProbe, phase: str) -> dict[str, Any]:
+    """Each event followed through the stages (joined by (episode, seq) with the probe's
+    input records): p50/p99 of every stage, and where the slowest 1 % of events (end to end
+    >= its p99) spent their time (mean ms per stage)."""
+    seen = probe.seen.get(phase, {})
+    rows: list[tuple[float, float, float, float, float]] = []
+    for ep, seq, t_event, t_replay, t_recv in sink.receipts:
+        got = seen.get((ep, seq))
+        if got is None:
+            continue
+        emit, fetchable = got
+        t_input = t_event + emit
+        rows.append((t_recv - t_event, emit, t_replay - t_input, t_recv - t_replay, fetchable))
+    if not rows:
+        return {}
+    cols = list(zip(*rows, strict=True))
+    names = ("end_to_end", *STAGES, "input_fetchable")
+    out: dict[str, Any] = {"events_joined": len(rows)}
+    for name, col in zip(names, cols, strict=True):
+        out[name] = {"p50": round(percentile(list(col), 50), 1),
+                     "p99": round(percentile(list(col), 99), 1)}
+    cut = percentile(list(cols[0]), 99)
+    tail = [r for r in rows if r[0] >= cut]
+    out["slowest_1pct_mean_ms"] = {
+        name: round(statistics.fmean(r[i] for r in tail), 1)
+        for i, name in enumerate(names) if name != "input_fetchable"}
+    return out
+
+
 class Trainer:
     """A ReplayClient in a background task; each segment goes to the sink of its phase (the
     episode id's prefix) and is acknowledged."""
 
-    def __init__(self, settings: Settings, task: str, commit_every_ms: float = 0) -> None:
-        self.client = replay_client(settings, task, f"{settings.topics.prefix}.trainer.{task}",
-                                    100_000, commit_every_ms)
+    def __init__(self, settings: Settings, task: str,
+                 commit_every_ms: float = 0, group_suffix: str = "") -> None:
+        group = f"{settings.topics.prefix}.trainer.{task}" + (
+            f".{group_suffix}" if group_suffix else "")
+        self.client = replay_client(settings, task, group, 100_000, commit_every_ms)
         self.sinks: dict[str, Sink] = {}
         self.task: asyncio.Task[None] | None = None
         self.cpu0 = 0.0
+        self.keep_receipts = False  # set with --probe-input (the split by stage)
 
     async def start(self) -> None:
         await self.client.start()
@@ -304,6 +363,11 @@ class Trainer:
                 sink.to_worker_ms.extend(seg.timestamp_ms - ev.record["header"]["event_time_ms"]
                                          for ev in seg.events)
                 sink.to_trainer_ms.extend([t - seg.timestamp_ms] * len(seg.events))
+                if self.keep_receipts:
+                    sink.receipts.extend(
+                        (seg.episode, ev.record["header"]["seq"],
+                         ev.record["header"]["event_time_ms"], seg.timestamp_ms, t)
+                        for ev in seg.events)
             if seg.is_last:
                 sink.episodes_done += 1
             await self.client.ack(seg)
@@ -324,7 +388,8 @@ class Trainer:
         await self.client.stop()
 
 
-async def warm_up(settings: Settings, trainer: Trainer, task: str) -> None:
+async def warm_up(settings: Settings, trainer: Trainer | dict[str, Trainer],
+                  task: str) -> None:
     """One short episode through the whole path (topics, worker assignment, transactions)."""
     from trajbus.producers.emitter import SandboxEmitter
 
@@ -337,15 +402,23 @@ async def warm_up(settings: Settings, trainer: Trainer, task: str) -> None:
         await em.end_episode(ep)
         await em.flush(60)
     shutil.rmtree(state, ignore_errors=True)
-    if not await trainer.wait_for("warm", 3, 120):
-        raise RuntimeError("warm-up episode did not reach the trainer in 120 s "
-                           "(is the worker running? see its log)")
+    for t in (trainer.values() if isinstance(trainer, dict) else [trainer]):
+        if not await t.wait_for("warm", 3, 120):
+            raise RuntimeError("warm-up episode did not reach the trainer in 120 s "
+                               "(is the worker running? see its log)")
 
 
-async def rate_phase(args: argparse.Namespace, settings: Settings, trainer: Trainer,
-                     worker_pid: int, task: str, rate: int, events: int,
-                     variant: str, probe: InputProbe | None = None) -> dict[str, Any]:
+async def rate_phase(args: argparse.Namespace, settings: Settings,
+                     trainers: Trainer | dict[str, Trainer], worker_pid: int, task: str,
+                     rate: int, events: int, variant: str, probe: InputProbe | None = None,
+                     code: Variant | None = None) -> dict[str, Any]:
+    """One offered rate through the worker to one trainer; or, paired (``trainers`` a dict),
+    to several trainers reading the same replay topic at once, each in its own group: the
+    same events at the same moments, so their differences are the clients' alone. Returns
+    the phase report (paired: one per trainer, by name)."""
+    paired = isinstance(trainers, dict)
     phase = (f"r{rate}" if rate else "rmax") + variant
+    env, cwd = (code or Variant("head")).process_env()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--produce", "--bootstrap",
            args.bootstrap, "--prefix", settings.topics.prefix, "--partitions",
            str(settings.topics.partitions), "--task", task, "--phase", phase, "--rate",
@@ -353,18 +426,26 @@ async def rate_phase(args: argparse.Namespace, settings: Settings, trainer: Trai
            "--steps", str(args.steps), "--durability", args.durability]
     w_cpu0, t_cpu0 = proc_cpu_s(worker_pid), time.process_time()
     proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE, cwd=ROOT)
+                                                stderr=asyncio.subprocess.PIPE, cwd=cwd,
+                                                env=env)
     out, err = await proc.communicate()
     if proc.returncode != 0:
         raise RuntimeError(f"producer failed ({proc.returncode}): {err.decode()[-2000:]}")
     prod = json.loads(out.decode().strip().splitlines()[-1])
     total = prod["events"]
-    ok = await trainer.wait_for(phase, total, timeout=max(60.0, total / 2000))
+    group = trainers if isinstance(trainers, dict) else {"": trainers}
+    oks = {name: await t.wait_for(phase, total, timeout=max(60.0, total / 2000))
+           for name, t in group.items()}
     w_cpu, t_cpu = proc_cpu_s(worker_pid) - w_cpu0, time.process_time() - t_cpu0
-    sink = trainer.sinks.get(phase, Sink())
-    extra = {"input_probe_ms": probe.report(phase)} if probe is not None else {}
-    return {**extra, **phase_report(rate, prod, ok, sink, ("worker", w_cpu), ("trainer", t_cpu),
-                                    {"segments": sink.segments})}
+    reports = {}
+    for name, t in group.items():
+        sink = t.sinks.get(phase, Sink())
+        extra = ({"input_probe_ms": probe.report(phase),
+                  "stages_ms": stage_split(sink, probe, phase)} if probe is not None else {})
+        reports[name] = {**extra, **phase_report(
+            rate, prod, oks[name], sink, ("worker", w_cpu), ("trainer", t_cpu),
+            {"segments": sink.segments, **({"paired": True} if paired else {})})}
+    return reports if paired else reports[""]
 
 
 def phase_report(rate: int | None, prod: dict[str, Any], complete: bool, sink: Sink,
@@ -766,8 +847,42 @@ def peer_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # -- the worker -------------------------------------------------------------------------------
-def start_worker(settings: Settings, log_path: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ)
+@dataclass
+class Variant:
+    """``--variant LABEL=REF[;ENV=VALUE...]``: the worker and the emitters' process run the
+    code of git REF ('.' = this tree) with these extra environment variables (settings such
+    as ``TRAJBUS_PRODUCER__SEND_ROUND_MS``). The trainer side is this process's code."""
+
+    label: str
+    ref: str = "."
+    env: dict[str, str] = field(default_factory=dict)
+    tree: Path | None = None  # the exported ref (bench_worker.export_ref), None for '.'
+
+    @classmethod
+    def parse(cls, spec: str) -> Variant:
+        """REF may also be a directory laid out as the installed package (as export_ref
+        makes it: <dir>/trajbus/bus, ...), used as it is."""
+        label, _, rest = spec.partition("=")
+        ref, *envs = (rest or ".").split(";")
+        if not label or not ref or any("=" not in e for e in envs if e):
+            raise SystemExit(f"--variant {spec!r}: expected LABEL=REF[;ENV=VALUE...]")
+        tree = Path(ref) if ref != "." and (Path(ref) / "trajbus").is_dir() else None
+        return cls(label, ref, dict(e.split("=", 1) for e in envs if e), tree)
+
+    def process_env(self) -> tuple[dict[str, str], Path]:
+        """Environment and working directory of a subprocess running this variant."""
+        env = {**os.environ, **self.env}
+        if self.tree is None:
+            return env, ROOT
+        env["PYTHONPATH"] = os.pathsep.join([str(self.tree)] + (
+            [self.env["PYTHONPATH"]] if "PYTHONPATH" in self.env else []))
+        env["BENCH_E2E_TREE"] = "1"
+        return env, self.tree
+
+
+def start_worker(settings: Settings, log_path: Path,
+                 code: Variant | None = None) -> subprocess.Popen[bytes]:
+    env, cwd = (code or Variant("head")).process_env()
     env.update({
         "TRAJBUS_KAFKA__BOOTSTRAP_SERVERS": settings.kafka.bootstrap_servers,
         "TRAJBUS_TOPICS__PREFIX": settings.topics.prefix,
@@ -776,7 +891,43 @@ def start_worker(settings: Settings, log_path: Path) -> subprocess.Popen[bytes]:
     out = open(log_path, "ab")
     return subprocess.Popen([sys.executable, "-m", "trajbus", "worker", "--processors",
                              "reorder", "--worker-id", "bench", "-v"], env=env, stdout=out,
-                            stderr=out, cwd=ROOT)
+                            stderr=out, cwd=cwd)
+
+
+def worker_log_stats(log_path: Path) -> dict[str, Any]:
+    """The worker's own per-10 s lines (runner._log_stats): per batch polling / processing /
+    transaction ms, and the input's age when the worker's poll returned it."""
+    import re
+
+    pat = re.compile(r"(\d+) batches, ([\d.]+) records/batch.*?per batch ([\d.]+) ms polling, "
+                     r"([\d.]+) ms processing, (?:([\d.]+) ms waiting for the previous "
+                     r"transaction, )?([\d.]+) ms transaction(?: \(max ([\d.]+) ms\))?; input "
+                     r"age at poll mean (\d+) ms(?:, p99 (\d+) ms)?, max (\d+) ms")
+    text = log_path.read_text(errors="replace")
+    rows = [m.groups() for m in pat.finditer(text)]
+    rows = [r for r in rows if int(r[0]) >= 50]  # windows with traffic
+    if not rows:
+        return {}
+
+    def col(i: int) -> list[float]:
+        return [float(r[i]) for r in rows if r[i] is not None]
+
+    out: dict[str, Any] = {"windows": len(rows),
+                           "records_per_batch": round(statistics.fmean(col(1)), 1),
+                           "processing_ms_mean": round(statistics.fmean(col(3)), 1),
+                           "txn_ms_mean": round(statistics.fmean(col(5)), 1),
+                           "input_age_at_poll_ms_mean": round(statistics.fmean(col(7)), 1),
+                           "input_age_at_poll_ms_max": max(col(9))}
+    if col(4):
+        out["wait_previous_txn_ms_mean"] = round(statistics.fmean(col(4)), 1)
+    if col(6):
+        out["txn_ms_max"] = max(col(6))
+    if col(8):
+        out["input_age_at_poll_ms_p99_per_window"] = col(8)
+    diag = [ln for ln in text.splitlines() if ln.startswith("DIAG ")]
+    if diag:
+        out["diag"] = diag
+    return out
 
 
 def stop_worker(proc: subprocess.Popen[bytes]) -> None:
@@ -789,27 +940,34 @@ def stop_worker(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=10)
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+async def trajbus_run(args: argparse.Namespace, code: Variant, rnd: int
+                      ) -> dict[str, Any]:
+    """One worker (the variant's code and settings) on a fresh topic prefix: every trainer
+    variant at every offered rate, then (first round only) the segmented vs whole loop."""
     from trajbus.bus.admin import ensure_base_topics
     from trajbus.bus.producer import close_producer
 
     prefix = f"bench-e2e-{uuid.uuid4().hex[:8]}"
     settings = settings_for(args.bootstrap, prefix, args.partitions)
-    variants = {c: ("stock" if c == 0 else f"commit{int(c)}ms") for c in args.commit_every_ms}
+    variants = {c: trainer_name(c) for c in args.commit_every_ms}
     tasks = [f"bench-{v}" for v in variants.values()]
     await ensure_base_topics(settings, [*tasks, *(f"bench-{m}-c{int(c)}" for c in variants
                                                    for m in ("segmented", "whole"))])
     log_path = Path(tempfile.mkdtemp(prefix="bench-e2e-")) / "worker.log"
-    worker = start_worker(settings, log_path)
-    res: dict[str, Any] = {"name": "e2e", "partitions": args.partitions,
-                           "sandboxes": args.sandboxes, "durability": args.durability,
-                           "events_per_episode": 2 * args.steps + 2, "cpus": os.cpu_count(),
-                           "load_average_1m_at_start": round(os.getloadavg()[0], 2),
-                           "trainers": {}, "segmented_vs_whole": {}}
+    worker = start_worker(settings, log_path, code)
+    res: dict[str, Any] = {"variant": code.label, "round": rnd, "ref": code.ref,
+                           "env": code.env, "load_average_1m_at_start":
+                           round(os.getloadavg()[0], 2), "trainers": {},
+                           "segmented_vs_whole": {}}
     try:
+        if args.paired_trainers:
+            await paired_trainers(args, settings, worker, variants, code, rnd, res, log_path)
         for commit_ms, name in variants.items():
+            if args.paired_trainers:
+                break
             task = f"bench-{name}"
             trainer = Trainer(settings, task, commit_ms)
+            trainer.keep_receipts = args.probe_input
             probe = InputProbe(settings) if args.probe_input else None
             try:
                 await trainer.start()
@@ -820,10 +978,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 for rate in args.rates:
                     events = args.events if rate == 0 else min(args.events,
                                                                int(rate * args.seconds))
-                    print(f"[e2e] trainer {name}: offered {rate or 'max'} events/s, "
-                          f"{events} events", flush=True)
+                    print(f"[e2e] {code.label} round {rnd}, trainer {name}: offered "
+                          f"{rate or 'max'} events/s, {events} events", flush=True)
                     phases.append(await rate_phase(args, settings, trainer, worker.pid, task,
-                                                   rate, events, name, probe))
+                                                   rate, events, name, probe, code))
                     if worker.poll() is not None:
                         raise RuntimeError(f"worker exited {worker.returncode}; log {log_path}")
                 res["trainers"][name] = phases
@@ -831,7 +989,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 if probe is not None:
                     await probe.stop()
                 await trainer.stop()
-        if args.overlap_episodes:
+        if args.overlap_episodes and rnd == 1:
             for commit_ms, name in variants.items():
                 print(f"[e2e] segmented vs whole-episode replay, trainer {name}", flush=True)
                 seg = await overlap_phase(args, settings, "segmented", commit_ms)
@@ -850,12 +1008,120 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         stop_worker(worker)
         await close_producer()
-    if args.peer:  # after the worker stopped: the two pipelines never share the cores
-        print("[e2e] minimal peer pipeline", flush=True)
-        res["peer_pipeline"] = await peer_pipeline(args, prefix)
+    res["worker_log"] = str(log_path)
+    res["worker_stats"] = worker_log_stats(log_path)
+    res["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+    return res
+
+
+async def paired_trainers(args: argparse.Namespace, settings: Settings,
+                          worker: subprocess.Popen[bytes], variants: dict[float, str],
+                          code: Variant, rnd: int, res: dict[str, Any], log_path: Path
+                          ) -> None:
+    """``--paired-trainers``: every trainer variant reads the same replay topic at once."""
+    task = "bench-paired"
+    from trajbus.bus.admin import ensure_base_topics
+
+    await ensure_base_topics(settings, [task])
+    trainers = {name: Trainer(settings, task, commit_ms, group_suffix=name)
+                for commit_ms, name in variants.items()}
+    probe = InputProbe(settings) if args.probe_input else None
+    try:
+        for t in trainers.values():
+            t.keep_receipts = args.probe_input
+            await t.start()
+        if probe is not None:
+            await probe.start()
+        await warm_up(settings, trainers, task)
+        for rate in args.rates:
+            events = args.events if rate == 0 else min(args.events, int(rate * args.seconds))
+            print(f"[e2e] {code.label} round {rnd}, trainers {'+'.join(trainers)} (paired): "
+                  f"offered {rate or 'max'} events/s, {events} events", flush=True)
+            got = await rate_phase(args, settings, trainers, worker.pid, task, rate, events,
+                                   "paired", probe, code)
+            for name, report in got.items():
+                res["trainers"].setdefault(name, []).append(report)
+            if worker.poll() is not None:
+                raise RuntimeError(f"worker exited {worker.returncode}; log {log_path}")
+    finally:
+        if probe is not None:
+            await probe.stop()
+        for t in trainers.values():
+            await t.stop()
+
+
+def ab_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per variant and trainer (and the peer), over the rounds: each round's p50/p99 at each
+    offered rate, their medians, and the stage split's p99s."""
+    out: dict[str, Any] = {}
+    for run in runs:
+        groups = ({f"{run['variant']} / {name}": phases
+                   for name, phases in run.get("trainers", {}).items()}
+                  if run["variant"] != "peer" else {"peer": run.get("phases", [])})
+        for key, phases in groups.items():
+            for p in phases:
+                row = out.setdefault(key, {}).setdefault(str(p["offered_events_per_s"]), {
+                    "p50": [], "p99": [], "complete": [], "load_1m": []})
+                row["p50"].append(p["latency_ms"]["p50"])
+                row["p99"].append(p["latency_ms"]["p99"])
+                row["complete"].append(p["complete"])
+                row["load_1m"].append(run.get("load_average_1m_at_start"))
+                for stage, v in p.get("stages_ms", {}).items():
+                    if isinstance(v, dict) and "p99" in v:
+                        row.setdefault(f"{stage}_p99", []).append(v["p99"])
+    for rates in out.values():
+        for row in rates.values():
+            row["p50_median"] = statistics.median(row["p50"])
+            row["p99_median"] = statistics.median(row["p99"])
+    return out
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    codes = args.variants
+    trees: dict[str, Path] = {}
+    for code in codes:
+        if code.ref != "." and code.tree is None:
+            if code.ref not in trees:
+                trees[code.ref] = _bench_worker().export_ref(code.ref)
+            code.tree = trees[code.ref]
+    res: dict[str, Any] = {"name": "e2e", "partitions": args.partitions,
+                           "sandboxes": args.sandboxes, "durability": args.durability,
+                           "events_per_episode": 2 * args.steps + 2, "cpus": os.cpu_count(),
+                           "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                           "load_average_1m_at_start": round(os.getloadavg()[0], 2),
+                           "variants": {c.label: {"ref": c.ref, "env": c.env} for c in codes}}
+    runs: list[dict[str, Any]] = []
+    prefix = f"bench-e2e-{uuid.uuid4().hex[:8]}"
+    try:
+        for rnd in range(1, args.rounds + 1):
+            # every variant once per round, then the peer; every other round in reverse
+            # order (ABBA), so a load that rises or falls during the run favours none
+            for code in (codes if rnd % 2 else codes[::-1]):
+                runs.append(await trajbus_run(args, code, rnd))
+            if args.peer:  # after the worker stopped: the two pipelines never share the cores
+                print(f"[e2e] minimal peer pipeline, round {rnd}", flush=True)
+                load = round(os.getloadavg()[0], 2)
+                runs.append({"variant": "peer", "round": rnd, "load_average_1m_at_start": load,
+                             **await peer_pipeline(args, f"{prefix}-r{rnd}")})
+    finally:
+        for tree in trees.values():
+            shutil.rmtree(tree.parent, ignore_errors=True)
+    # the figures of the last variant's first round (and its peer) keep the single-run shape
+    head = next(r for r in runs if r["variant"] == codes[-1].label)
+    res["trainers"] = head["trainers"]
+    res["segmented_vs_whole"] = head["segmented_vs_whole"]
+    peers = [r for r in runs if r["variant"] == "peer"]
+    if peers:
+        res["peer_pipeline"] = {k: v for k, v in peers[0].items()
+                                if k not in ("variant", "round")}
     res["memory_20k_open_episodes"] = ("see bench_reorder.py: memory.state_bytes_per_episode "
                                        "(20,000 open episodes in a full run)")
-    res["worker_log"] = str(log_path)
+    res["worker_log"] = head["worker_log"]
+    if len(runs) > 1 + bool(peers):
+        res["ab"] = ab_summary(runs)
+        res["runs"] = runs
+    else:
+        res["worker_stats"] = head["worker_stats"]
     res["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     res["targets"] = targets(res) + peer_targets(res)
     return res
@@ -899,8 +1165,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--durability", choices=["fsync", "os"], default="fsync")
     ap.add_argument("--commit-every-ms", type=lambda s: [float(x) for x in s.split(",")],
                     default=[0.0, 100.0],
-                    help="trainer variants: 0 = stock ReplayClient (commit per ack), N = "
-                         "commits coalesced to one per N ms (bench-side subclass)")
+                    help="trainer variants (ReplayClient's commit_every_ms): 0 = stock "
+                         "(every ack waits for its commit), N = commits in the background, "
+                         "at most one per N ms")
+    ap.add_argument("--paired-trainers", action="store_true",
+                    help="the trainer variants read the same replay topic at once (own "
+                         "groups): paired figures, one producer run per rate")
     ap.add_argument("--probe-input", action="store_true",
                     help="also read the input topic to split the latency before the worker "
                          "(costs trainer-process CPU)")
@@ -909,6 +1179,13 @@ def main(argv: list[str] | None = None) -> int:
                          "reorder loop -> consumer) run at the same rates after trajbus")
     ap.add_argument("--peer-txn-interval-ms", type=float, default=100.0,
                     help="the peer loop's transaction interval")
+    ap.add_argument("--variant", dest="variants", action="append", type=Variant.parse,
+                    default=None, metavar="LABEL=REF[;ENV=VALUE...]",
+                    help="worker and emitters of git REF ('.' = this tree) with extra "
+                         "environment (settings); repeat to compare (default head=.)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds, each running every variant once then the peer (A/B "
+                         "interleaved on a shared box)")
     ap.add_argument("--overlap-episodes", type=int, default=6)
     ap.add_argument("--overlap-steps", type=int, default=20)
     ap.add_argument("--overlap-step-ms", type=float, default=25.0)
@@ -929,23 +1206,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.produce_peer:
         print(json.dumps(produce_peer(args)))
         return 0
+    args.variants = args.variants or [Variant("head")]
     res = asyncio.run(main_async(args))
-    for name, phases in res.get("trainers", {}).items():
-        for p in phases:
-            lat = p["latency_ms"]
-            print(f"e2e [{name}] offered {p['offered_events_per_s']}/s: delivered "
-                  f"{p['events_delivered']:,}/{p['events_emitted']:,} at "
-                  f"{p['end_to_end_events_per_s']:,} ev/s, latency p50 {lat['p50']} ms p99 "
-                  f"{lat['p99']} ms (split {p['latency_split_ms']}"
-                  f"{', input ' + str(p['input_probe_ms']) if 'input_probe_ms' in p else ''}"
-                  f"); ev per CPU-s: {p['events_per_cpu_s']}")
-    for p in res.get("peer_pipeline", {}).get("phases", []):
-        lat = p["latency_ms"]
-        print(f"e2e [minimal peer pipeline] offered {p['offered_events_per_s']}/s: delivered "
-              f"{p['events_delivered']:,}/{p['events_emitted']:,} at "
-              f"{p['end_to_end_events_per_s']:,} ev/s, latency p50 {lat['p50']} ms p99 "
-              f"{lat['p99']} ms (split {p['latency_split_ms']}); ev per CPU-s: "
-              f"{p['events_per_cpu_s']}")
+    for run in res.get("runs") or [{"variant": "", "trainers": res.get("trainers", {}),
+                                    "phases": res.get("peer_pipeline", {}).get("phases", []),
+                                    "worker_stats": res.get("worker_stats")}]:
+        tag = f"{run['variant']} r{run['round']} " if run.get("round") else ""
+        groups = ({f"[{tag}minimal peer pipeline]": run["phases"]} if run["variant"] == "peer"
+                  else {f"[{tag}{name}]": ph for name, ph in run.get("trainers", {}).items()})
+        if not res.get("runs") and run.get("phases"):
+            groups["[minimal peer pipeline]"] = run["phases"]
+        for label, phases in groups.items():
+            for p in phases:
+                lat = p["latency_ms"]
+                print(f"e2e {label} offered {p['offered_events_per_s']}/s: delivered "
+                      f"{p['events_delivered']:,}/{p['events_emitted']:,} at "
+                      f"{p['end_to_end_events_per_s']:,} ev/s, latency p50 {lat['p50']} ms "
+                      f"p99 {lat['p99']} ms (split {p['latency_split_ms']}); ev per CPU-s: "
+                      f"{p['events_per_cpu_s']}")
+                if p.get("stages_ms"):
+                    print(f"    stages: {p['stages_ms']}")
+        if run.get("worker_stats"):
+            ws = {k: v for k, v in run["worker_stats"].items() if k != "diag"}
+            print(f"    worker: {ws}")
+    for key, rates in res.get("ab", {}).items():
+        for rate, row in rates.items():
+            print(f"A/B {key} @ {rate}/s: p50 {row['p50']} (median {row['p50_median']}), p99 "
+                  f"{row['p99']} (median {row['p99_median']}), load {row['load_1m']}")
     for name, ov in res.get("segmented_vs_whole", {}).items():
         if isinstance(ov, dict):
             first, whole = ov["first_usable_vs_whole_ms"]
