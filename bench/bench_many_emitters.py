@@ -2,6 +2,7 @@
 
     python bench/bench_many_emitters.py --json out.json [--bootstrap HOST:PORT]
         [--emitters 1000] [--rate 1.0] [--seconds 25] [--rounds 1] [--trajbus-ref REF ...]
+        [--no-working-tree] [--baseline] [--emit-only] [--durability os] [--send-round-ms MS]
 
 One child process per measurement runs ``--emitters`` :class:`SandboxEmitter` s on one event
 loop (fsync durability, the process's shared producer, one state directory each), each
@@ -16,7 +17,11 @@ files) and how many events were still unacknowledged then.
 ``--trajbus-ref REF`` adds a variant: the same child run with the package of git ``REF``
 (exported with ``git archive`` and laid out as installed, first on PYTHONPATH), alternating
 with the working tree's code round by round (``--rounds``), so both see the same load on a
-shared box. Goal (issue 18): 1,000 emitters at 1 event/s each <= 0.1 of a core.
+shared box (``--no-working-tree``: only the refs, e.g. to keep others' uncommitted edits out).
+``--baseline`` adds, per round, the same callers with a no-op instead of an emit (what 1,000
+tasks waking once a second cost by themselves; the summary subtracts it) and ``--emit-only``
+the emit calls with sending paused. Goal (issue 18): 1,000 emitters at 1 event/s each <= 0.1
+of a core.
 
 With ``--bootstrap`` it uses that broker, otherwise it starts its own (``LocalBroker``, free
 ports, temporary data directory).
@@ -201,8 +206,9 @@ def main() -> int:
                     help="each round also runs the callers with a no-op instead of an emit (the "
                          "cost of 1,000 tasks waking once a second), subtracted in the summary")
     ap.add_argument("--emit-only", action="store_true",
-                    help="each round also runs the working tree with sending paused (the emit "
-                         "calls alone: redaction, canonical JSON, Avro, journal append)")
+                    help="each round also runs the first variant's code with sending paused "
+                         "(the emit calls alone: redaction, canonical JSON, Avro, journal "
+                         "append)")
     ap.add_argument("--send-round-ms", type=float, default=None,
                     help="settings.producer.send_round_ms (default: the setting's default)")
     ap.add_argument("--durability", choices=["fsync", "os"], default="fsync",
