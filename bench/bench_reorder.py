@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trajbus.bus.settings import ReplaySettings
-from trajbus.consumers.replay.core import InEvent, ReorderCore, content_digest
+from trajbus.consumers.replay.core import InEvent, ReorderCore
 
 PAYLOAD = 200  # bytes per synthetic event (a small tool call)
 
@@ -50,7 +50,7 @@ def make_events(n_eps: int, per_ep: int, shuffle_frac: float, seed: int) -> list
         evs = []
         for s in range(1, per_ep + 1):  # seq 0 is sent before the timed run
             raw = b"%s|%s|%d|" % (sb.encode(), ep.encode(), s) + pad
-            evs.append(InEvent("task", sb, ep, s, 1_000 + s, "ToolCall", raw, content_digest(raw)))
+            evs.append(InEvent("task", sb, ep, s, 1_000 + s, "ToolCall", raw))
         if shuffle_frac:
             j = 0
             while j < len(evs) - 1:
@@ -69,7 +69,7 @@ def starts(n_eps: int) -> list[InEvent]:
     for i in range(n_eps):
         sb, ep = f"sandbox-{i % 5000:05d}", f"episode-{i:06d}"
         raw = b"%s|%s|0" % (sb.encode(), ep.encode())
-        out.append(InEvent("task", sb, ep, 0, 1_000, "EpisodeStart", raw, content_digest(raw)))
+        out.append(InEvent("task", sb, ep, 0, 1_000, "EpisodeStart", raw))
     return out
 
 

@@ -11,6 +11,7 @@ import random
 from collections import defaultdict
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,7 +49,7 @@ def ev(seq: int, ep: str = "e1", sb: str = "sb1", t: int = 0, *, kind: str = "To
     elif seq == 0 and kind == "ToolCall":
         kind = "EpisodeStart"
     raw = raw if raw is not None else f"{sb}|{ep}|{seq}".encode()
-    return InEvent(task, sb, ep, seq, t, kind, raw, content_digest(raw), outcome)
+    return InEvent(task, sb, ep, seq, t, kind, raw, outcome)
 
 
 def end(seq: int, ep: str = "e1", sb: str = "sb1", t: int = 0, outcome: str = "TERMINAL"
@@ -58,14 +59,12 @@ def end(seq: int, ep: str = "e1", sb: str = "sb1", t: int = 0, outcome: str = "T
 
 def recycled(sb: str = "sb1", t: int = 0) -> InEvent:
     raw = f"recycled|{sb}".encode()
-    return InEvent("task", sb, None, 7, t, "SandboxLifecycle", raw, content_digest(raw),
-                   None, "RECYCLED")
+    return InEvent("task", sb, None, 7, t, "SandboxLifecycle", raw, None, "RECYCLED")
 
 
 def drained(sb: str, finals: dict[str, int], t: int = 0) -> InEvent:
     raw = f"drained|{sb}".encode()
-    return InEvent("task", sb, None, 6, t, "Drained", raw, content_digest(raw), None, None,
-                   tuple(finals.items()))
+    return InEvent("task", sb, None, 6, t, "Drained", raw, None, None, tuple(finals.items()))
 
 
 def run(c: ReorderCore, events: list[InEvent]) -> list[Output]:
@@ -412,10 +411,18 @@ def test_invalid_input_becomes_a_dead_letter_and_never_raises() -> None:
         (dl,) = c.handle(e)
         assert isinstance(dl, DeadLetterOut) and dl.reason_code == code, code
         assert dl.reason
-    garbage = InEvent(None, ["x"], {}, "1", "t", 3, "raw", None)
+    # seq -1 on an episode whose fast path is off (stalled, ended or closed: expect == -1)
+    stalled = [ev(0, ep="s"), ev(2, ep="s")]
+    ended = [ev(0, ep="d"), end(1, ep="d")]
+    run(c, stalled + ended)
+    for e in ("s", "d"):
+        (dl,) = c.handle(ev(-1, ep=e))
+        assert isinstance(dl, DeadLetterOut) and dl.reason_code == "invalid_seq", e
+    assert [s.first_seq for s in segs(run(c, [ev(1, ep="s")]))] == [1]  # the stream goes on
+    garbage = InEvent(None, ["x"], {}, "1", "t", 3, "raw")
     (dl,) = c.handle(garbage)
     assert isinstance(dl, DeadLetterOut)
-    assert c.counters()["dead_letters"] == 6
+    assert c.counters()["dead_letters"] == 8
 
 
 @settings(max_examples=200, deadline=None)
@@ -425,8 +432,7 @@ def test_invalid_input_becomes_a_dead_letter_and_never_raises() -> None:
     st.one_of(st.integers(-3, 5), st.none(), st.floats(), st.text(max_size=2)),
     st.one_of(st.integers(-10, 10**13), st.none()), st.sampled_from(
         ["ToolCall", "EpisodeStart", "EpisodeEnd", "SandboxLifecycle", "Drained", ""]),
-    st.one_of(st.binary(max_size=10), st.none()),
-    st.one_of(st.binary(max_size=8), st.none(), st.integers(-1, 2**65), st.just(0)),
+    st.one_of(st.binary(max_size=10), st.none(), st.integers(), st.text(max_size=3)),
     st.sampled_from([None, "TERMINAL", "TRUNCATED", "bogus"]),
     st.sampled_from([None, "RECYCLED", "ACTIVE"]),
 ))
@@ -551,6 +557,24 @@ def test_same_log_gives_identical_outputs_and_segment_bytes() -> None:
         s0.sandbox, s0.episode, s0.segment_index)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=12), st.text(max_size=12), st.integers(-10, 2**63))
+def test_segment_event_ids_are_uuid5_of_the_segment_name(sandbox: str, episode: str,
+                                                         index: int) -> None:
+    import uuid
+
+    from trajbus.consumers.replay.core import SEGMENT_NAMESPACE
+
+    name = f"{sandbox}/{episode}/{index}"
+    try:
+        want = uuid.uuid5(SEGMENT_NAMESPACE, name).hex
+    except UnicodeEncodeError:  # a lone surrogate: neither can encode it
+        with pytest.raises(UnicodeEncodeError):
+            segment_event_id(sandbox, episode, index)
+        return
+    assert segment_event_id(sandbox, episode, index) == want
+
+
 def test_from_decoded_and_replay_segment_model_round_trip() -> None:
     from trajbus.consumers.replay.core import replay_segment
     from trajbus.schemas.codec import default_codec
@@ -577,7 +601,6 @@ def test_from_decoded_and_replay_segment_model_round_trip() -> None:
     codec = default_codec()
     ins = [InEvent.from_decoded(codec.decode(r), r) for r in raws]
     assert ins[2].outcome == "TERMINAL" and ins[0].kind == "EpisodeStart"
-    assert ins[1].digest == content_digest(raws[1])
     c = core()
     out = run(c, [ins[2], ins[1], ins[0]])
     (s,) = segs(out)
@@ -591,6 +614,29 @@ def test_from_decoded_and_replay_segment_model_round_trip() -> None:
     dr = Drained(header=h(2, None), complete=True,
                  final_seqs=[EpisodeFinalSeq(episode="e1", final_seq=9)]).encode()
     assert InEvent.from_decoded(codec.decode(dr), dr).final_seqs == (("e1", 9),)
+
+
+def test_the_content_digest_is_computed_only_where_a_duplicate_seq_can_need_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once per event that is emitted or buffered (a later duplicate is compared with it) and
+    per duplicate compared; never for sandbox-level events, dead letters or late events."""
+    import trajbus.consumers.replay.core as core_module
+
+    digested: list[bytes] = []
+
+    def counting(raw: bytes) -> int:
+        digested.append(raw)
+        return content_digest(raw)
+
+    monkeypatch.setattr(core_module, "content_digest", counting)
+    c = core(gap_timeout_ms=100)
+    run(c, [ev(0), ev(1), ev(3), ev(1), ev(3)])  # emitted 0, 1; buffered 3; two duplicates
+    assert digested == [ev(s).raw for s in (0, 1, 3, 1, 3)]
+    digested.clear()
+    run(c, [recycled("sb2"), drained("sb2", {"e9": 4}), ev(-1), ev(1, sb="")])
+    c.tick(1_000)  # closes the gap at 2: 3 was digested when buffered
+    run(c, [ev(2)])  # late after the gap
+    assert digested == []
 
 
 def test_counters_expose_metrics() -> None:

@@ -24,7 +24,7 @@ from trajbus.consumers.replay.core import (
     SegmentOut,
     segment_record,
 )
-from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
+from trajbus.schemas.codec import Codec, Decoded, DecodeError, Head, default_codec
 
 
 class _Adapter:
@@ -109,11 +109,10 @@ class ReorderProcessor(_Adapter):
 
     def _handle(self, rec: InRecord, outs: list[OutRecord],
                 merger: _SegmentMerger | None) -> None:
-        decoded = self.decode(rec, outs)
-        if decoded is None:
+        head = self._decode_head(rec, outs)
+        if head is None:
             return
-        kind = decoded.kind
-        header = decoded.record["header"]
+        kind, header = head.kind, head.header
         if kind == "Tick":
             t = header["event_time_ms"]
             if t > self.watermarks.get(rec.topic, 0):
@@ -135,8 +134,22 @@ class ReorderProcessor(_Adapter):
             return
         if self.core.clock_ms == 0:  # before the first watermark: start from the log's time
             self.core.tick(rec.timestamp_ms)
-        event = InEvent.from_decoded(decoded, rec.value, rec.timestamp_ms)
-        self._convert(self.core.handle(event), outs, rec, merger)
+        self._convert(self.core.handle(self._event(rec, head)), outs, rec, merger)
+
+    def _decode_head(self, rec: InRecord, outs: list[OutRecord]) -> Head | None:
+        """The record's kind and header, its body checked whole (codec.decode_head: what a
+        full decode gives, without building the body); a dead letter if it does not decode."""
+        try:
+            return self.codec.decode_head(rec.value)
+        except DecodeError as exc:
+            outs.append(self.dead_letter(rec, exc.reason_code, str(exc)))
+            return None
+
+    def _event(self, rec: InRecord, head: Head) -> InEvent:
+        """The core's input for a decoded record. Drained is the one kind whose body the core
+        reads beyond enums (its final seqs): it is decoded whole (once per sandbox drain)."""
+        fields = self.codec.decode(rec.value).record if head.kind == "Drained" else head.enums
+        return InEvent.from_head(head.kind, head.header, fields, rec.value, rec.timestamp_ms)
 
     def handle_batch(self, records: list[InRecord]) -> list[OutRecord]:
         """Process several records (of this core's partition, in log order) for ONE
@@ -214,7 +227,7 @@ class _Run:
         self.first = seg
         self.last = seg
         self.events: list[bytes] = list(seg.events)
-        self.nbytes = sum(len(e) for e in seg.events)
+        self.nbytes = sum(map(len, seg.events))
 
 
 class _SegmentMerger:

@@ -36,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.cluster import ClusterMetadata
@@ -76,8 +76,10 @@ _AGE_BUCKET_MS = 5  # the input-age histogram of the stats line (its p99), 5 ms 
 _MAX_TXN_RECORDS = 4000
 
 
-@dataclass(frozen=True, slots=True)
-class InRecord:
+class InRecord(NamedTuple):
+    """One input record (a tuple: built once per record, at a third of a frozen dataclass's
+    cost)."""
+
     topic: str
     partition: int
     offset: int

@@ -119,8 +119,18 @@ def content_digest(raw: bytes) -> int:
 
 
 def segment_event_id(sandbox: str, episode: str, segment_index: int) -> str:
-    """Deterministic event id of a replay segment (uuid5 hex)."""
-    return uuid.uuid5(SEGMENT_NAMESPACE, f"{sandbox}/{episode}/{segment_index}").hex
+    """Deterministic event id of a replay segment: the hex of
+    ``uuid.uuid5(SEGMENT_NAMESPACE, f"{sandbox}/{episode}/{segment_index}")``, computed as
+    uuid5 does (SHA-1 of namespace + name, first 16 bytes, version 5 and RFC 4122 variant
+    bits) without building the UUID object (once per segment written)."""
+    h = bytearray(hashlib.sha1(_SEGMENT_NS + f"{sandbox}/{episode}/{segment_index}".encode(),
+                               usedforsecurity=False).digest()[:16])
+    h[6] = (h[6] & 0x0F) | 0x50
+    h[8] = (h[8] & 0x3F) | 0x80
+    return h.hex()
+
+
+_SEGMENT_NS = SEGMENT_NAMESPACE.bytes
 
 
 def episode_key(sandbox: str, episode: str) -> str:
@@ -139,10 +149,9 @@ class InEvent(NamedTuple):
     event_time_ms: int
     kind: str
     raw: bytes
-    """The original single-object-encoded message; goes into segments unchanged."""
-    digest: int
-    """Content digest, an int in [1, 2**64) (see :func:`content_digest`); equal digests =
-    exact duplicates."""
+    """The original single-object-encoded message; goes into segments unchanged. The core
+    compares duplicates by its :func:`content_digest`, computed where a duplicate seq can need
+    it (an event emitted or buffered, a duplicate compared), not for every event."""
     outcome: str | None = None
     """EpisodeEnd only: "TERMINAL" or "TRUNCATED"."""
     state: str | None = None
@@ -156,32 +165,40 @@ class InEvent(NamedTuple):
     @classmethod
     def from_decoded(cls, decoded: Any, raw: bytes, log_time_ms: int = 0) -> InEvent:
         """Build from a :class:`trajbus.schemas.codec.Decoded`, the message bytes and the
-        record's log timestamp.
+        record's log timestamp (see :meth:`from_head`)."""
+        rec: dict[str, Any] = decoded.record
+        return cls.from_head(decoded.kind, rec.get("header") or {}, rec, raw, log_time_ms)
+
+    @classmethod
+    def from_head(cls, kind: str, header: dict[str, Any], fields: dict[str, Any], raw: bytes,
+                  log_time_ms: int = 0) -> InEvent:
+        """Build from the event's kind, header and the body fields the core reads
+        (EpisodeEnd's ``outcome``, SandboxLifecycle's ``state``, Drained's ``final_seqs``;
+        :meth:`trajbus.schemas.codec.Codec.decode_head` gives the first two), the message
+        bytes and the record's log timestamp.
 
         Never raises on a schema-valid record; odd values (e.g. a negative seq) are left for
         :meth:`ReorderCore.handle` to dead-letter.
         """
-        kind: str = decoded.kind
-        rec: dict[str, Any] = decoded.record
-        h: dict[str, Any] = rec.get("header") or {}
+        h = header
         outcome = state = None
         final: tuple[tuple[str, int], ...] = ()
         if kind == "EpisodeEnd":
-            o = rec.get("outcome")
+            o = fields.get("outcome")
             outcome = None if o is None else str(getattr(o, "value", o))
         elif kind == "SandboxLifecycle":
-            s = rec.get("state")
+            s = fields.get("state")
             state = None if s is None else str(getattr(s, "value", s))
         elif kind == "Drained":
             final = tuple(
                 (str(f.get("episode")), int(f.get("final_seq", -1)))
-                for f in rec.get("final_seqs") or ()
+                for f in fields.get("final_seqs") or ()
             )
-        return cls(
+        return _tnew(cls, (
             h.get("task") or "", h.get("sandbox") or "", h.get("episode"),
-            h.get("seq", -1), h.get("event_time_ms", 0), kind, raw, content_digest(raw),
-            outcome, state, final, log_time_ms,
-        )
+            h.get("seq", -1), h.get("event_time_ms", 0), kind, raw, outcome, state, final,
+            log_time_ms,
+        ))
 
 
 class SegmentOut(NamedTuple):
@@ -289,11 +306,6 @@ def _ustr(blob: bytes, off: int) -> tuple[str, int]:
 
 
 _tnew = tuple.__new__
-_DIGEST_END = 2**64
-
-
-def _valid_digest(d: object) -> bool:
-    return type(d) is int and 0 < d < 2**64
 
 
 def _classify(ev: object) -> str:
@@ -302,7 +314,6 @@ def _classify(ev: object) -> str:
         not isinstance(ev, InEvent)
         or type(ev.seq) is not int
         or type(ev.event_time_ms) is not int
-        or not _valid_digest(ev.digest)
         or not isinstance(ev.sandbox, str)
         or not isinstance(ev.episode, str | None)
         or not isinstance(ev.raw, bytes)
@@ -401,7 +412,7 @@ class ReorderCore:
         if self._restored:
             self._arm_restored()
         try:
-            _, sandbox, episode, seq, t, kind, raw, digest, outcome, _, _, log_t = ev
+            _, sandbox, episode, seq, t, kind, raw, outcome, _, _, log_t = ev
             if type(t) is int:
                 if t > self._clock and self._event_clock:
                     self._clock = t
@@ -410,14 +421,16 @@ class ReorderCore:
                 # the event becomes a dead letter
                 now = log_t if log_t > clock else clock
                 ep = self._eps.get((sandbox, episode))  # type: ignore[arg-type]
-                # Fast path: the next expected event of an open episode with nothing buffered.
+                # Fast path: the next expected event of an open episode with nothing buffered
+                # (expect is -1 otherwise: a seq of -1 must not match it).
                 if (
                     ep is not None
-                    and seq == ep.expect
+                    and seq == ep.expect >= 0
                     and outcome is None
                     and kind != "EpisodeStart"
                 ):
-                    ep.ring[seq % self._w] = digest  # raises (-> dead letter) if invalid
+                    # kept for the dedupe window (raises -> dead letter if raw is no bytes)
+                    ep.ring[seq % self._w] = content_digest(raw)
                     ep.next_seq = ep.expect = seq + 1
                     idx = ep.seg_index
                     ep.seg_index = idx + 1
@@ -447,8 +460,6 @@ class ReorderCore:
                     and kind != "EpisodeStart"
                     and kind != "EpisodeEnd"
                     and type(raw) is bytes
-                    and type(digest) is int
-                    and 0 < digest < _DIGEST_END
                 ):
                     buf = ep.buf
                     n = len(raw)
@@ -458,7 +469,7 @@ class ReorderCore:
                         ep.active = now
                         self._dirty_eps.add(ep)
                         out = []
-                        self._drain(ep, out, None, (raw, digest, t))
+                        self._drain(ep, out, None, (raw, content_digest(raw), t))
                         if self._clock >= self._next_due:
                             self._fire(out)
                         return out
@@ -475,7 +486,7 @@ class ReorderCore:
                             buf = ep.buf = {}
                             ep.expect = -1
                             self._arm_gap(ep)
-                        buf[seq] = (raw, digest, t)
+                        buf[seq] = (raw, content_digest(raw), t)
                         ep.buf_bytes += n
                         self._buffered += 1
                         self._buffered_bytes += n
@@ -606,9 +617,8 @@ class ReorderCore:
         if not isinstance(ev.sandbox, str) or not ev.sandbox:
             out.append(self._dl(ev, "missing_sandbox", "event has no sandbox id"))
             return
-        if not isinstance(ev.raw, bytes) or not _valid_digest(ev.digest):
-            out.append(self._dl(ev, "invalid_event",
-                                "raw must be bytes and digest an int in [1, 2**64)"))
+        if not isinstance(ev.raw, bytes):
+            out.append(self._dl(ev, "invalid_event", "raw must be bytes"))
             return
         if type(ev.event_time_ms) is not int:
             out.append(self._dl(ev, "invalid_event", f"bad event time {ev.event_time_ms!r}"))
@@ -634,7 +644,6 @@ class ReorderCore:
         if ev.kind == "EpisodeEnd" and not is_end:
             out.append(self._dl(ev, "missing_outcome", "EpisodeEnd without outcome"))
             return
-        digest: int = ev.digest
         if ep is None:
             dl = self._recycled.get(ev.sandbox)
             if dl is not None and self._clock >= dl:
@@ -663,7 +672,7 @@ class ReorderCore:
                 self._push_timer(self._now + self._idle, _TIMER_IDLE, ep.key)
         ns = ep.next_seq
         if seq < ns:
-            self._old_seq(ep, ev, seq, digest, out)
+            self._old_seq(ep, ev, seq, out)
             return
         if ep.closed:  # a truncated episode (an ended one has stop < ns)
             if ep.stop >= 0 and seq > ep.stop:
@@ -688,13 +697,14 @@ class ReorderCore:
                 ep.terminal = ev.outcome == "TERMINAL"
                 self._set_stop(ep, seq, out)
         if seq == ns:
-            self._drain(ep, out, None, (ev.raw, digest, ev.event_time_ms))
+            self._drain(ep, out, None, (ev.raw, content_digest(ev.raw), ev.event_time_ms))
             return
         buf = ep.buf
         if buf is None:
             buf = ep.buf = {}
             ep.expect = -1
             self._arm_gap(ep)
+        digest = content_digest(ev.raw)  # kept with it, or compared with the buffered one
         have = buf.get(seq)
         if have is not None:
             if have[1] == digest:
@@ -720,13 +730,15 @@ class ReorderCore:
                 c["forced_gap_closes"] += 1
                 self._close_gap(victim, out)
 
-    def _old_seq(self, ep: _Ep, ev: InEvent, seq: int, digest: int, out: list[Output]) -> None:
+    def _old_seq(self, ep: _Ep, ev: InEvent, seq: int, out: list[Output]) -> None:
         """A seq below next_seq: an emitted duplicate, or late for a closed gap."""
         if ep.next_seq - seq <= self._w:
             have = ep.ring[seq % self._w]
             if have == _GAP_MARK:
                 out.append(self._late(ep, seq, ev.raw, "after_gap"))
-            elif have == digest:
+                return
+            digest = content_digest(ev.raw)
+            if have == digest:
                 self._c["duplicates"] += 1
             else:
                 self._c["conflicts"] += 1
