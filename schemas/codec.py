@@ -178,7 +178,10 @@ class Codec:
         try:
             record = schemaless_reader(buf, w_schema, r_schema)
         except Exception as exc:  # fastavro raises many types on corrupt input
-            raise CorruptBodyError(f"{writer.short_name}: {type(exc).__name__}: {exc}") from exc
+            # its messages may name the stream object ("... from <_io.BytesIO object at
+            # 0x7f...>"): say "the body" instead, so the dead letter's reason is reproducible
+            why = str(exc).replace(repr(buf), "the body")
+            raise CorruptBodyError(f"{writer.short_name}: {type(exc).__name__}: {why}") from exc
         if buf.tell() != len(data):
             raise CorruptBodyError(
                 f"{writer.short_name}: {len(data) - buf.tell()} trailing bytes after the record"
