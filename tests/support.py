@@ -13,11 +13,12 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from aiokafka import AIOKafkaConsumer
 
 from trajbus.bus.settings import KafkaSettings, Settings, TopicSettings
+from trajbus.consumers.engine.runner import TICK_KEY, OutRecord
 from trajbus.schemas import models as m
 
 REPO = Path(__file__).resolve().parents[1]
@@ -216,6 +217,31 @@ class QuietCore:
 
     def take_dirty(self) -> dict[str, bytes | None]:
         return {}
+
+    def restore(self, key: str, blob: bytes | None) -> None:
+        pass
+
+
+class EchoCore:
+    """Every input record -> one output record and one changelog record (its key's state),
+    so each transaction writes outputs, state and offsets like the reorder worker's."""
+
+    def __init__(self, out_topic: str) -> None:
+        self.out_topic = out_topic
+        self.dirty: dict[str, bytes | None] = {}
+
+    def handle(self, rec: Any) -> list[Any]:
+        if rec.key == TICK_KEY:
+            return []
+        self.dirty[(rec.key or b"").decode()] = rec.value
+        return [OutRecord(self.out_topic, rec.key, rec.value, rec.partition)]
+
+    def tick(self, now_ms: int) -> list[Any]:
+        return []
+
+    def take_dirty(self) -> dict[str, bytes | None]:
+        dirty, self.dirty = self.dirty, {}
+        return dirty
 
     def restore(self, key: str, blob: bytes | None) -> None:
         pass

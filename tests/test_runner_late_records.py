@@ -20,14 +20,12 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer
-from support import settings_for
+from support import EchoCore, settings_for
 
 from trajbus.bus.admin import ensure_topics
 from trajbus.bus.producer import close_producer, get_producer
 from trajbus.bus.topics import TopicSpec
 from trajbus.consumers.engine.runner import (
-    TICK_KEY,
-    InRecord,
     OutRecord,
     ProcessorSpec,
     Runner,
@@ -37,28 +35,6 @@ from trajbus.consumers.engine.runner import (
 PARTITIONS = 2
 SLOW_TXN_S = 0.4
 FEED_SECONDS = 4.0
-
-
-class Echo:
-    def __init__(self, out_topic: str) -> None:
-        self.out_topic = out_topic
-        self.dirty: dict[str, bytes | None] = {}
-
-    def handle(self, rec: InRecord) -> list[OutRecord]:
-        if rec.key == TICK_KEY:
-            return []
-        self.dirty[(rec.key or b"").decode()] = rec.value
-        return [OutRecord(self.out_topic, rec.key, rec.value, rec.partition)]
-
-    def tick(self, now_ms: int) -> list[OutRecord]:
-        return []
-
-    def take_dirty(self) -> dict[str, bytes | None]:
-        dirty, self.dirty = self.dirty, {}
-        return dirty
-
-    def restore(self, key: str, blob: bytes | None) -> None:
-        pass
 
 
 class SlowTransactions(Runner):
@@ -92,7 +68,7 @@ async def test_records_fetched_during_a_transaction_go_into_the_next_one(
     in_topic, out_topic = f"{unique_name}.in", f"{unique_name}.out"
     await ensure_topics(settings, [TopicSpec(in_topic, PARTITIONS, "test input", "key")])
     spec = ProcessorSpec(
-        name="echo", input_topics=[in_topic], factory=lambda: Echo(out_topic),
+        name="echo", input_topics=[in_topic], factory=lambda: EchoCore(out_topic),
         output_topics=lambda: [TopicSpec(out_topic, PARTITIONS, "test output", "key")])
     runner = SlowTransactions(settings, spec, "w0")
     worker = asyncio.create_task(runner.run(until_idle=3.0))

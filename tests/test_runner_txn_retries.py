@@ -27,43 +27,18 @@ import logging
 import time
 
 import pytest
-from support import settings_for
+from support import EchoCore, settings_for
 
 from trajbus.bus.admin import ensure_topics
 from trajbus.bus.producer import close_producer, get_producer
 from trajbus.bus.topics import TopicSpec
-from trajbus.consumers.engine.runner import TICK_KEY, InRecord, OutRecord, ProcessorSpec, Runner
+from trajbus.consumers.engine.runner import ProcessorSpec, Runner
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(90)]
 
 PARTITIONS = 3
 FEED_SECONDS = 6.0
 PER_TICK = 10  # records every 10 ms: ~1,000 records/s, transactions back to back
-
-
-class Echo:
-    """Every input record -> one output record and one changelog record (its key's state),
-    so each transaction writes outputs, state and offsets like the reorder worker's."""
-
-    def __init__(self, out_topic: str) -> None:
-        self.out_topic = out_topic
-        self.dirty: dict[str, bytes | None] = {}
-
-    def handle(self, rec: InRecord) -> list[OutRecord]:
-        if rec.key == TICK_KEY:
-            return []
-        self.dirty[(rec.key or b"").decode()] = rec.value
-        return [OutRecord(self.out_topic, rec.key, rec.value, rec.partition)]
-
-    def tick(self, now_ms: int) -> list[OutRecord]:
-        return []
-
-    def take_dirty(self) -> dict[str, bytes | None]:
-        dirty, self.dirty = self.dirty, {}
-        return dirty
-
-    def restore(self, key: str, blob: bytes | None) -> None:
-        pass
 
 
 async def test_transactions_are_never_retried_for_unverified_partitions(
@@ -73,7 +48,7 @@ async def test_transactions_are_never_retried_for_unverified_partitions(
     in_topic, out_topic = f"{unique_name}.in", f"{unique_name}.out"
     await ensure_topics(settings, [TopicSpec(in_topic, PARTITIONS, "test input", "key")])
     spec = ProcessorSpec(
-        name="echo", input_topics=[in_topic], factory=lambda: Echo(out_topic),
+        name="echo", input_topics=[in_topic], factory=lambda: EchoCore(out_topic),
         output_topics=lambda: [TopicSpec(out_topic, PARTITIONS, "test output", "key")])
     runner = Runner(settings, spec, "w0")
     worker = asyncio.create_task(runner.run(until_idle=3.0))
