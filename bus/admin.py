@@ -52,13 +52,16 @@ _TRANSIENT = (TimeoutError, _TransientCreateError, KafkaConnectionError, KafkaTi
 
 async def ensure_topics(
     settings: Settings, specs: Iterable[TopicSpec], *,
-    patience_s: float = TOPIC_SETUP_PATIENCE_S,
+    patience_s: float = TOPIC_SETUP_PATIENCE_S, known_broker: bool = False,
 ) -> tuple[list[str], list[str]]:
     """Create the missing topics. Returns (created, already_present).
 
     A broker that stops answering or is restarting meanwhile is waited for, up to
-    ``patience_s``; then :class:`BrokerUnavailableError` says so. A refusal that is not
-    transient (for example a replication factor the cluster cannot meet) raises at once."""
+    ``patience_s``; then :class:`BrokerUnavailableError` says so. A broker that never answered
+    this call fails as fast as the start-up check (``connect_timeout_s``), unless the caller
+    has seen it answer before (``known_broker``: a running worker creating an output topic
+    during a broker restart). A refusal that is not transient (for example a replication
+    factor the cluster cannot meet) raises at once."""
     specs = list(specs)
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -66,7 +69,8 @@ async def ensure_topics(
     try:
         return await retry_while_broker_restarts(
             lambda: _ensure_topics_once(settings, specs, answered), transient=_TRANSIENT,
-            patience_s=lambda: patience_s if answered else settings.kafka.connect_timeout_s,
+            patience_s=lambda: (patience_s if answered or known_broker
+                                else settings.kafka.connect_timeout_s),
             what="topic set-up")
     except _TRANSIENT as exc:
         raise BrokerUnavailableError(

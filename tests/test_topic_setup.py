@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
-from support import settings_for
+from support import QuietCore, settings_for
 
 from trajbus.bus.admin import ensure_topics
 from trajbus.bus.kafka import BrokerUnavailableError
@@ -74,3 +74,40 @@ async def test_a_broker_that_never_answered_fails_as_fast_as_the_start_up_check(
         await ensure_topics(settings, [TopicSpec("never.created", 1, "test", "key")])
     assert "TRAJBUS_KAFKA__BOOTSTRAP_SERVERS" in str(info.value)
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(60)
+async def test_a_running_worker_waits_out_a_restart_longer_than_the_start_up_check(
+        kafka_broker, unique_name, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The soak of 2026-12-01 (run 5): a worker's first output to a new replay topic came
+    during a 20 s broker restart; topic set-up gave up after connect_timeout_s (10 s) as for a
+    broker that never answered, and the worker exited. A running worker has seen its broker:
+    it waits (up to TOPIC_SETUP_PATIENCE_S)."""
+    from aiokafka.errors import KafkaConnectionError
+
+    from trajbus.consumers.engine.runner import ProcessorSpec, Runner
+
+    settings = settings_for(kafka_broker.bootstrap, unique_name)
+    settings.kafka.connect_timeout_s = 1.0
+    real_start = AIOKafkaAdminClient.start
+    back_at = time.monotonic() + 3.0  # the broker is "away" for 3 s: longer than 1 s
+
+    async def away_for_a_while(self: AIOKafkaAdminClient) -> None:
+        if time.monotonic() < back_at:
+            raise KafkaConnectionError("Unable to bootstrap (broker restarting)")
+        await real_start(self)
+
+    monkeypatch.setattr(AIOKafkaAdminClient, "start", away_for_a_while)
+    with pytest.raises(BrokerUnavailableError):  # as at start-up: fail fast
+        await ensure_topics(settings, [TopicSpec(f"{unique_name}.early", 1, "test", "key")])
+    runner = Runner(settings, ProcessorSpec(name="out", input_topics=[], factory=QuietCore), "w0")
+    topic = f"{unique_name}.replay.new-task"
+    await runner._ensure_output_topic(topic)  # raised BrokerUnavailableError before the fix
+    assert time.monotonic() >= back_at
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_broker.bootstrap)
+    await real_start(admin)
+    try:
+        assert topic in await admin.list_topics()
+    finally:
+        await admin.close()

@@ -178,9 +178,12 @@ async def _supervise(settings: Settings, faults: Faults,
         code = current.poll()
         if code is None or code == -9:  # running, or the SIGKILL that _inject is handling
             continue
-        tail = worker_log.read_text(errors="replace")[-600:].strip()
-        last = tail.splitlines()[-1] if tail else ""
-        if "did not answer" in last:  # check_broker's fail-fast message
+        with open(worker_log, "rb") as log_file:  # what this worker wrote
+            log_file.seek(_LOG_OFFSETS.get(current.pid, 0))
+            tail = log_file.read().decode(errors="replace")[-8000:].strip()
+        # the worker's one-line error (asyncio's shutdown warnings can follow it)
+        errors = [line for line in tail.splitlines() if line.startswith("trajbus: error:")]
+        if errors and "did not answer" in errors[-1]:  # the broker is down: fail-fast message
             await asyncio.sleep(1.0)
             workers.append(_start_worker(settings, worker_log))
             faults.log.append(f"{time.monotonic() - t0:.1f}s: worker pid {current.pid} exited "
@@ -226,9 +229,16 @@ def _start_worker(settings: Settings, log_path: Path) -> subprocess.Popen[bytes]
     env["TRAJBUS_TOPICS__PREFIX"] = settings.topics.prefix
     env["TRAJBUS_TOPICS__PARTITIONS"] = str(settings.topics.partitions)
     out = open(log_path, "ab")
-    return subprocess.Popen(
+    offset = out.seek(0, os.SEEK_END)
+    proc = subprocess.Popen(
         [sys.executable, "-m", "trajbus", "worker", "--worker-id", "demo", "-v"],
         env=env, stdout=out, stderr=out)
+    _LOG_OFFSETS[proc.pid] = offset
+    return proc
+
+
+# where each worker's output begins in the shared log (the supervisor reads only its own)
+_LOG_OFFSETS: dict[int, int] = {}
 
 
 async def _trainer(settings: Settings, seed: int, view: View, started: float,

@@ -516,9 +516,12 @@ class Runner:
         self._known_topics.update(s.name for s in specs)
 
     async def _ensure_output_topic(self, topic: str) -> None:
+        """Create an output topic on its first use (a new task's replay topic). The broker
+        answered at start-up: a restart meanwhile is waited out (the soak of 2026-12-01 lost a
+        worker that gave up after connect_timeout_s during a 20 s restart)."""
         if topic in self._known_topics:
             return
-        await ensure_topics(self.settings, [TopicSpec(
+        await ensure_topics(self.settings, known_broker=True, specs=[TopicSpec(
             topic, self.settings.topics.partitions, "derived output", "episode",
             max_message_bytes=self.topics.derived_max_bytes)])
         self._known_topics.add(topic)
