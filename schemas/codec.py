@@ -190,6 +190,12 @@ class Codec:
             raise CorruptBodyError(f"{writer.short_name}: decoded to {type(record).__name__}")
         return Decoded(reader.short_name, record, writer)
 
+    def _bundled(self, info: SchemaInfo) -> bool:
+        try:
+            return self.registry.reader(info.name) is info
+        except KeyError:
+            return False
+
     def decode_head(self, data: bytes) -> Head:
         """The kind, header and top-level enum fields of an encoded event, once the whole
         body is known to decode: exactly what :meth:`decode` gives for them, and the same
@@ -198,7 +204,10 @@ class Codec:
         read = self._head.get(data[:HEADER_LEN], _MISSING)  # by marker + fingerprint
         if read is _MISSING:
             writer, reader, _, r_schema = self._decoder(data)  # raises bad magic / unknown
-            read = None if r_schema is not None else _compile_head(reader)
+            # compiled only for this package's own schemas: never generate code from a
+            # schema that came from outside (a writer found in the schema topic)
+            read = (_compile_head(reader) if r_schema is None and self._bundled(reader)
+                    else None)
             self._head[MAGIC + writer.fingerprint] = read
         if read is not None:
             try:

@@ -532,16 +532,15 @@ class Runner:
         await check_broker(self.settings.kafka)
         await self._prepare_topics()
         k = self.settings.kafka
-        producer_args = producer_options(
-            k, client_id=f"{self.group_id}-{self.worker_id}",
+        producer_args = dict(  # for producer_options (with the connection's settings)
+            client_id=f"{self.group_id}-{self.worker_id}",
             transactional_id=f"{self.group_id}.{self.worker_id}",
             # outputs wrap inputs (dead letters, segments): allow the derived topics' size
             max_request_size=max(k.max_request_size, self.topics.derived_max_bytes + 65536),
             # A batch's records are all appended before the transaction commits, and the
             # commit waits for them: lingering only delays every transaction.
             linger_ms=0)
-        consumer_args = dict(
-            **connection_options(k),
+        consumer_args = dict(  # with connection_options (TLS/SASL) at the call
             group_id=self.group_id,
             client_id=f"{self.group_id}-{self.worker_id}",
             # Static membership (KIP-345): a worker SIGKILLed and restarted with the same
@@ -625,8 +624,10 @@ class Runner:
         when the broker stopped), they are built again and retried for up to
         ``TOPIC_SETUP_PATIENCE_S``, as topic set-up is."""
         async def start() -> tuple[AIOKafkaProducer, AIOKafkaConsumer]:
-            producer = AIOKafkaProducer(**producer_args)
-            consumer = AIOKafkaConsumer(**consumer_args)
+            producer = AIOKafkaProducer(**producer_options(self.settings.kafka,
+                                                           **producer_args))
+            consumer = AIOKafkaConsumer(**connection_options(self.settings.kafka),
+                                        **consumer_args)
             try:
                 await producer.start()
                 await consumer.start()
