@@ -68,12 +68,8 @@ log = logging.getLogger("trajbus.runner")
 TICK_KEY = b"_tick"
 _MAX_IDLE_S = 10.0
 _STATS_S = 10.0
-_STATS = ("batches", "records", "late", "outputs", "changelog", "poll_s", "handle_s",
-          "wait_s", "txn_s", "txn_max_s", "age_ms", "age_max_ms")
-_AGE_BUCKET_MS = 5  # the input-age histogram of the stats line (its p99), 5 ms buckets
-# Input records a transaction takes at most from the polls made while the previous one
-# commits (see Runner._process); the first poll of a batch takes up to 2,000.
-_MAX_TXN_RECORDS = 4000
+_STATS = ("batches", "records", "outputs", "changelog", "poll_s", "handle_s", "txn_s",
+          "age_ms", "age_max_ms")
 
 
 class InRecord(NamedTuple):
@@ -220,24 +216,6 @@ def reusable_slots(parked: Mapping[int, Mapping[TopicPartition, int | None]],
     return keep
 
 
-_Prepared = tuple[list[OutRecord], list[tuple[int, str, bytes | None]],
-                  dict[TopicPartition, int], dict[str, int], int, float]
-
-
-def _merge_prepared(a: _Prepared, b: _Prepared) -> _Prepared:
-    """Two prepared batches (b processed after a) as one transaction: outputs in order, each
-    state key once with its latest value, each input partition's offset after b."""
-    outs_a, state_a, offsets_a, counts_a, n_a, started = a
-    outs_b, state_b, offsets_b, counts_b, n_b, _ = b
-    state = {(slot, key): blob for slot, key, blob in state_a}
-    state.update({(slot, key): blob for slot, key, blob in state_b})
-    counts = dict(counts_a)
-    for topic, n in counts_b.items():
-        counts[topic] = counts.get(topic, 0) + n
-    return (outs_a + outs_b, [(slot, key, blob) for (slot, key), blob in state.items()],
-            {**offsets_a, **offsets_b}, counts, n_a + n_b, started)
-
-
 class _Rebalance(ConsumerRebalanceListener):
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
@@ -287,7 +265,6 @@ class Runner:
         self._empty_since: dict[TopicPartition, float] = {}
         # Where a busy worker's time goes, logged (INFO) every _STATS_S while records flow.
         self._stats: dict[str, float] = dict.fromkeys(_STATS, 0.0)
-        self._ages: dict[int, int] = {}  # input age at poll, by _AGE_BUCKET_MS bucket
         self._stats_since = time.monotonic()
 
     # -- state --------------------------------------------------------------------------
@@ -586,15 +563,23 @@ class Runner:
                 self._stats["poll_s"] += time.perf_counter() - t_poll
                 if self._check_restore():
                     idle_since = time.monotonic()
-                if batch:
-                    self._note_ages(batch)
+                if batch:  # how long the records sat in Kafka before this poll returned them
+                    now_ms = time.time() * 1000
+                    ages = [now_ms - m.timestamp for msgs in batch.values() for m in msgs]
+                    self._stats["age_ms"] += sum(ages)
+                    self._stats["age_max_ms"] = max(self._stats["age_max_ms"], max(ages))
                 if not batch:
                     if until_idle is not None and time.monotonic() - idle_since > until_idle:
                         break
                     continue
                 if any(m.key != TICK_KEY for msgs in batch.values() for m in msgs):
                     idle_since = time.monotonic()
-                ready = self._ready(batch)
+                if self.spec.ordered:
+                    for tp, msgs in batch.items():
+                        self._pending.setdefault(tp, deque()).extend(msgs)
+                    ready = self._release()
+                else:
+                    ready = [(tp, m) for tp, msgs in batch.items() for m in msgs]
                 if ready:
                     await self._process(ready)
             async with self._lock:
@@ -703,86 +688,12 @@ class Runner:
         commit, as after a crash)."""
         async with self._lock:
             prepared = await self._prepare(records)
-            # While the previous transaction commits, go on fetching and processing: what
-            # arrives meanwhile joins this transaction instead of waiting for the next one.
-            # (Before, this batch waited here idle; aiokafka fetches no more while fetched
-            # records are not consumed, so what arrived during the wait was fetched only
-            # after this transaction began and went into the next one: a record waited
-            # for the transaction under way, then for a whole other one, before its own.)
-            while (self._inflight is not None and not self._inflight.done()
-                   and prepared[4] < _MAX_TXN_RECORDS and self._restoring is None):
-                more = await self._poll_while(self._inflight)
-                if more:
-                    prepared = _merge_prepared(prepared, await self._prepare(more))
-            t_wait = time.perf_counter()
             await self._settle()
-            self._stats["wait_s"] += time.perf_counter() - t_wait
-            if prepared[4] < _MAX_TXN_RECORDS:  # and what was fetched by now
-                late = await self._poll_ready()
-                if late:
-                    prepared = _merge_prepared(prepared, await self._prepare(late))
-            self._stats["batches"] += 1
             self._inflight = asyncio.create_task(self._commit(*prepared))
 
-    async def _poll_while(self, task: asyncio.Task[None]) -> list[tuple[TopicPartition, Any]]:
-        """Records fetched before ``task`` ends (none if it ends first)."""
-        assert self._consumer is not None
-        t_wait = time.perf_counter()
-        getter = asyncio.ensure_future(self._consumer.getmany(timeout_ms=1000,
-                                                              max_records=2000))
-        try:
-            await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            self._stats["wait_s"] += time.perf_counter() - t_wait
-            if not getter.done():  # still waiting for a fetch: nothing was taken yet
-                getter.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await getter
-        if getter.cancelled():
-            return []
-        batch = getter.result()
-        if not batch:
-            return []
-        self._note_ages(batch)
-        ready = self._ready(batch)
-        self._stats["late"] += len(ready)
-        return ready
-
-    async def _poll_ready(self) -> list[tuple[TopicPartition, Any]]:
-        """The records already fetched (no wait)."""
-        assert self._consumer is not None
-        if self._restoring is not None:  # a restore under way: the main loop handles it
-            return []
-        batch = await self._consumer.getmany(timeout_ms=0, max_records=2000)
-        if not batch:
-            return []
-        self._note_ages(batch)
-        ready = self._ready(batch)
-        self._stats["late"] += len(ready)
-        return ready
-
-    def _ready(self, batch: Mapping[TopicPartition, list[Any]]
-               ) -> list[tuple[TopicPartition, Any]]:
-        """A fetched batch's records in processing order (ordered specs: merged by time,
-        see :meth:`_release`)."""
-        if self.spec.ordered:
-            for tp, msgs in batch.items():
-                self._pending.setdefault(tp, deque()).extend(msgs)
-            return self._release()
-        return [(tp, m) for tp, msgs in batch.items() for m in msgs]
-
-    def _note_ages(self, batch: Mapping[TopicPartition, list[Any]]) -> None:
-        """How long the records sat in Kafka before a poll returned them (the stats line)."""
-        now_ms = time.time() * 1000
-        ages = [now_ms - m.timestamp for msgs in batch.values() for m in msgs]
-        self._stats["age_ms"] += sum(ages)
-        self._stats["age_max_ms"] = max(self._stats["age_max_ms"], max(ages))
-        hist = self._ages
-        for age in ages:
-            b = int(age) // _AGE_BUCKET_MS
-            hist[b] = hist.get(b, 0) + 1
-
-    async def _prepare(self, records: list[tuple[TopicPartition, Any]]) -> _Prepared:
+    async def _prepare(self, records: list[tuple[TopicPartition, Any]]
+                       ) -> tuple[list[OutRecord], list[tuple[int, str, bytes | None]],
+                                  dict[TopicPartition, int], dict[str, int], int, float]:
         assert self._producer is not None and self._consumer is not None
         outs: list[OutRecord] = []
         offsets: dict[TopicPartition, int] = {}
@@ -817,6 +728,7 @@ class Runner:
         for topic in {o.topic for o in outs}:
             await self._ensure_output_topic(topic)
         st = self._stats
+        st["batches"] += 1
         st["records"] += len(records)
         st["outputs"] += len(outs)
         st["changelog"] += len(state)
@@ -856,37 +768,21 @@ class Runner:
         metrics.BATCH_SECONDS.labels(self.spec.name).observe(done - started)
         self.processed += n_records
         self._stats["txn_s"] += done - t_txn
-        self._stats["txn_max_s"] = max(self._stats["txn_max_s"], done - t_txn)
         if time.monotonic() - self._stats_since >= _STATS_S:
             self._log_stats()
 
     def _log_stats(self) -> None:
         st, now = self._stats, time.monotonic()
         b = max(1.0, st["batches"])
-        log.info("%s: %.0fs: %d batches, %.1f records/batch (%.1f fetched during the wait), "
-                 "%.1f outputs + %.1f state "
+        log.info("%s: %.0fs: %d batches, %.1f records/batch, %.1f outputs + %.1f state "
                  "records/batch; per batch %.1f ms polling, %.1f ms processing, %.1f ms "
-                 "waiting for the previous transaction, %.1f ms transaction (max %.0f ms); "
-                 "input age at poll mean %.0f ms, p99 %.0f ms, max %.0f ms", self.spec.name,
-                 now - self._stats_since, st["batches"], st["records"] / b, st["late"] / b,
-                 st["outputs"] / b,
+                 "transaction; input age at poll mean %.0f ms, max %.0f ms", self.spec.name,
+                 now - self._stats_since, st["batches"], st["records"] / b, st["outputs"] / b,
                  st["changelog"] / b, 1000 * st["poll_s"] / b, 1000 * st["handle_s"] / b,
-                 1000 * st["wait_s"] / b, 1000 * st["txn_s"] / b, 1000 * st["txn_max_s"],
-                 st["age_ms"] / max(1.0, st["records"]), self._age_quantile(0.99),
+                 1000 * st["txn_s"] / b, st["age_ms"] / max(1.0, st["records"]),
                  st["age_max_ms"])
         self._stats = dict.fromkeys(_STATS, 0.0)
-        self._ages = {}
         self._stats_since = now
-
-    def _age_quantile(self, q: float) -> float:
-        """The q-quantile of the input age at poll since the last stats line (bucket's top)."""
-        total = sum(self._ages.values())
-        seen = 0
-        for bucket in sorted(self._ages):
-            seen += self._ages[bucket]
-            if seen >= q * total:
-                return float((bucket + 1) * _AGE_BUCKET_MS)
-        return 0.0
 
     async def _ticker(self) -> None:
         """Publish Tick events into every partition of the tick topics (default: the input
