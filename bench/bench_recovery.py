@@ -311,7 +311,9 @@ class ReplayWatch:
         self.c.poll(0.2)  # connect and start fetching before the clock starts
 
     def wait(self, keys: set[bytes], timeout: float) -> dict[bytes, float]:
-        """monotonic time at which each key was first seen; raises at the deadline."""
+        """monotonic time at which each key was first seen; raises at the deadline. The
+        first value of each is kept in ``values``."""
+        self.values: dict[bytes, bytes] = {}
         seen: dict[bytes, float] = {}
         deadline = time.monotonic() + timeout
         while set(seen) < keys:
@@ -325,6 +327,7 @@ class ReplayWatch:
                 k = msg.key()
                 if k in keys and k not in seen:
                     seen[k] = now
+                    self.values[k] = msg.value()
         return seen
 
     def close(self) -> None:

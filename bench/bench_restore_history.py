@@ -496,30 +496,6 @@ def scenario(args: argparse.Namespace, bootstrap: str, log_dir: Path, hours: flo
 
 
 # -- --kill: a real worker restores the aged changelog, is SIGKILLed, restores it again ----------
-class SegmentWatch(ReplayWatch):
-    """bench_recovery's ReplayWatch (read_committed, from the replay topic's end), keeping the
-    first segment of each awaited key: a continued episode's must carry on its restored
-    state."""
-
-    def wait(self, keys: set[bytes], timeout: float) -> dict[bytes, float]:
-        self.values: dict[bytes, bytes] = {}
-        seen: dict[bytes, float] = {}
-        deadline = time.monotonic() + timeout
-        while set(seen) < keys:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"probes not served within {timeout:.0f} s: "
-                                   f"missing {sorted(k.decode() for k in keys - set(seen))}")
-            for msg in self.c.consume(1000, 0.05):
-                if msg.error() is not None:
-                    continue
-                now = time.monotonic()
-                k = msg.key()
-                if k in keys and k not in seen:
-                    seen[k] = now
-                    self.values[k] = msg.value()
-        return seen
-
-
 def cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of a live process (/proc/<pid>/stat): on a shared box, the
     load-independent part of a restart's wall time."""
@@ -567,7 +543,7 @@ def continuation_records(parts: list[Partition], k: int, next_seq: int, task: st
     return recs, keys
 
 
-def continued_ok(watch: SegmentWatch, keys: dict[bytes, int], next_seq: int) -> bool:
+def continued_ok(watch: ReplayWatch, keys: dict[bytes, int], next_seq: int) -> bool:
     from trajbus.schemas.codec import default_codec
 
     codec = default_codec()
@@ -615,7 +591,7 @@ def kill_rounds(args: argparse.Namespace, bootstrap: str, prefix: str, parts: li
         caught up; the figures of this incarnation."""
         fresh, fresh_keys = probe_records(P, task, f"k{k}-{uuid.uuid4().hex[:4]}")
         cont, cont_keys = continuation_records(parts, k, next_seq, task)
-        watch = when_ready(lambda: SegmentWatch(bootstrap, replay))
+        watch = when_ready(lambda: ReplayWatch(bootstrap, replay))
         prev = worker.proc
         rss_before = rss_mb(prev.pid) if kill and prev is not None else None
         state_offsets = sum(end_offsets(bootstrap, state_topic, P).values())
