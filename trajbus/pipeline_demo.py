@@ -13,7 +13,8 @@ The summary is a check, not a report. It fails (non-zero) unless:
 - the watchdog alerted on exactly the episodes the simulator made loop;
 - every sandbox's lifecycle completed: a DRAIN (or the TERMINATE that starts a looping
   sandbox's drain) and then one RECYCLE decision each (RECYCLE_WITH_LOSS only for a sandbox
-  the simulator crashed on purpose);
+  the simulator crashed on purpose, or where the log shows injected faults held downstream's
+  confirmation back past the drain grace window: see :func:`_unexplained_loss`);
 - there are no dead letters and no ANOMALY decisions (the simulated fleet is clean: the faults
   it plants -- crashes, migrations, re-sent duplicates, out-of-order delivery -- must all be
   absorbed);
@@ -62,6 +63,8 @@ class View:
     loop_alerts: set[tuple[str, str | None]] = field(default_factory=set)
     decisions: Counter[str] = field(default_factory=Counter)
     by_sandbox: dict[str, list[str]] = field(default_factory=dict)  # decisions, in order
+    # details of each RECYCLE_WITH_LOSS, by sandbox (what was lost, when the grace window ended)
+    loss_details: dict[str, dict[str, str]] = field(default_factory=dict)
     anomalies: list[str] = field(default_factory=list)
     dead_letters: Counter[str] = field(default_factory=Counter)
     dead_letter_examples: list[str] = field(default_factory=list)
@@ -296,6 +299,8 @@ async def _watch(settings: Settings, topics: list[str], view: View, stop: asynci
                         decision, sb = str(r["decision"]), r["header"]["sandbox"]
                         view.decisions[decision] += 1
                         view.by_sandbox.setdefault(sb, []).append(decision)
+                        if decision == "RECYCLE_WITH_LOSS":
+                            view.loss_details[sb] = dict(r["details"])
                         if decision == "ANOMALY":
                             view.anomalies.append(f"{sb}: {r['reason']}")
                     elif d.kind == "DeadLetter":
@@ -325,7 +330,28 @@ class ReplayTopics:
 
     seqs: dict[tuple[str, str], Counter[tuple[int, str]]] = field(default_factory=dict)
     gaps: dict[tuple[str, str], list[tuple[int, int]]] = field(default_factory=dict)
+    # (last_seq, record timestamp) of each gap-free segment: what the scheduler takes as
+    # downstream's confirmation, stamped with the log time it judges by
+    confirmations: dict[tuple[str, str], list[tuple[int, int]]] = field(default_factory=dict)
+    # sandbox-level stream on the raw input topic: seq -> (kind, earliest record timestamp)
+    sandbox_stream: dict[str, dict[int, tuple[str, int]]] = field(default_factory=dict)
     error: str | None = None
+
+    def confirmed_at(self, sandbox: str, episode: str, seq: int) -> int | None:
+        """The log time at which downstream first confirmed ``episode`` up to ``seq``."""
+        times = [ts for last, ts in self.confirmations.get((sandbox, episode), [])
+                 if last >= seq]
+        return min(times) if times else None
+
+    def drained_at(self, sandbox: str) -> int | None:
+        """The log time at which the scheduler could first act on the sandbox's Drained
+        report: its own stream is put back in seq order first, so the report waits for every
+        earlier seq of the stream."""
+        stream = self.sandbox_stream.get(sandbox, {})
+        drained = [seq for seq, (kind, _ts) in stream.items() if kind == "Drained"]
+        if not drained:
+            return None
+        return max(ts for seq, (_kind, ts) in stream.items() if seq <= min(drained))
 
 
 async def _replay_topics(settings: Settings) -> ReplayTopics:
@@ -335,17 +361,32 @@ async def _replay_topics(settings: Settings) -> ReplayTopics:
     out = ReplayTopics()
     topics = Topics(settings)
     try:
-        parts = await read_records(settings, [topics.replay(t) for t in TASKS])
+        parts = await read_records(settings, [topics.replay(t) for t in TASKS]
+                                   + [topics.sandbox_events])
     except Exception as exc:  # reported as a problem: the check cannot pass unread
         out.error = f"{type(exc).__name__}: {exc}"
         return out
-    for records in parts.values():
+    for tp, records in parts.items():
         for rec in records:
+            if tp.topic == topics.sandbox_events:
+                try:
+                    event = codec.decode(rec.value)
+                except DecodeError:
+                    continue
+                head = event.record["header"]
+                if head["episode"] is None:
+                    stream = out.sandbox_stream.setdefault(head["sandbox"], {})
+                    earlier = stream.get(head["seq"])
+                    if earlier is None or rec.timestamp_ms < earlier[1]:
+                        stream[head["seq"]] = (event.kind, rec.timestamp_ms)
+                continue
             d = codec.decode(rec.value)
             if d.kind != "ReplaySegment":
                 continue
             seg = d.record
             key = (seg["header"]["sandbox"], seg["header"]["episode"])
+            if seg["gap"] is None and seg["events"]:
+                out.confirmations.setdefault(key, []).append((seg["last_seq"], rec.timestamp_ms))
             seen = out.seqs.setdefault(key, Counter())
             for raw in seg["events"]:
                 h = codec.decode(raw).record["header"]
@@ -408,6 +449,47 @@ def _expects_gap(acked: list[tuple[int, str]], final_seq: int | None) -> bool:
     return seqs != list(range(seqs[-1] + 1)) or (final_seq is not None and final_seq > seqs[-1])
 
 
+def _unexplained_loss(sandbox: str, details: dict[str, str], replay: ReplayTopics,
+                      faults: Faults | None) -> str | None:
+    """Why a RECYCLE_WITH_LOSS of a sandbox that did not crash is a fault of the pipeline, or
+    None when the log shows the platform's rule at work.
+
+    The scheduler ends a drain with loss when its grace window ends (log time) before
+    downstream confirms the final seqs, or before the sandbox's Drained report. A broker outage
+    and a worker restart together can hold those back past the window: then the confirmation
+    (or the report) is in the log *after* the window's end, and the verdict is right. One that
+    is in the log before the window's end means the scheduler judged by a clock ahead of its
+    inputs: a bug. An emitter that could not flush is explained only by a broker outage."""
+    outage = faults is not None and faults.longest_outage_s > 0
+    lost = details.get("lost", "")
+    ended = details.get("grace_ended_ms")
+    if ended is None:  # the emitter's own Drained report said it could not flush everything
+        return None if outage else (f"sandbox {sandbox}: RECYCLE_WITH_LOSS ({lost}) without a "
+                                    "crash or a broker outage")
+    end = int(ended)
+    if lost.startswith("unknown"):
+        at = replay.drained_at(sandbox)
+        if at is not None and at > end:
+            return None
+        return (f"sandbox {sandbox}: RECYCLE_WITH_LOSS (no Drained report when the grace window "
+                f"ended at {end}), but its Drained report was in the log at {at}")
+    for part in lost.split(","):
+        episode, _, span = part.rpartition(":")
+        if episode == "unflushed":
+            if outage:
+                continue
+            return f"sandbox {sandbox}: RECYCLE_WITH_LOSS ({part}) without a broker outage"
+        final_seq = int(span.rpartition("-")[2])
+        at = replay.confirmed_at(sandbox, episode, final_seq)
+        if at is None:
+            return (f"sandbox {sandbox}: RECYCLE_WITH_LOSS ({part}), and downstream never "
+                    f"confirmed seq {final_seq} on the replay topics")
+        if at <= end:
+            return (f"sandbox {sandbox}: RECYCLE_WITH_LOSS ({part} unconfirmed when the grace "
+                    f"window ended at {end}), but downstream confirmed seq {final_seq} at {at}")
+    return None
+
+
 def _summary(expected: dict[tuple[str, str, str], Any], manifest: Any, view: View,
              replay: ReplayTopics, archive: dict[str, Any], waterfall: Path | None,
              elapsed: float, faults: Faults | None = None,
@@ -461,10 +543,6 @@ def _summary(expected: dict[tuple[str, str, str], Any], manifest: Any, view: Vie
 
     # Lifecycles: every sandbox drained, then recycled once; loss only where a crash was planted.
     crashed = {e.sandbox for e in manifest.episodes if e.behaviour == "crash"}
-    # A broker outage longer than the drain window makes the scheduler's window end before
-    # downstream confirms (its clock is the log): RECYCLE_WITH_LOSS is then the platform's rule
-    # at work, not a fault of the pipeline; the trainer view and the archive must still be exact.
-    outage_explains_loss = faults is not None and faults.longest_outage_s >= drain_window_s
     outage_losses = 0
     sandboxes = sorted({e.sandbox for e in manifest.episodes} | set(manifest.sandbox_streams))
     for sb in sandboxes:
@@ -477,10 +555,11 @@ def _summary(expected: dict[tuple[str, str, str], Any], manifest: Any, view: Vie
             problems.append(f"sandbox {sb}: lifecycle decisions {ds} (want DRAIN or "
                             "TERMINATE, then one RECYCLE)")
         elif recycles == ["RECYCLE_WITH_LOSS"] and sb not in crashed:
-            if outage_explains_loss:
+            why_not = _unexplained_loss(sb, view.loss_details.get(sb, {}), replay, faults)
+            if why_not is None:
                 outage_losses += 1
             else:
-                problems.append(f"sandbox {sb}: RECYCLE_WITH_LOSS, but it did not crash")
+                problems.append(why_not)
     for a in view.anomalies[:10]:
         problems.append(f"ANOMALY decision: {a}")
     if view.dead_letters:
@@ -534,10 +613,9 @@ def _summary(expected: dict[tuple[str, str, str], Any], manifest: Any, view: Vie
           f"{len(false_alarms)} false alarms ({nonloops} look-alike non-loops left alone); "
           f"alerts {dict(view.alerts)}")
     print(f"scheduler decisions: {dict(view.decisions)}; {len(crashed)} sandboxes crashed on "
-          "purpose" + (f"; {outage_losses} RECYCLE_WITH_LOSS from the "
-                       f"{faults.longest_outage_s:.0f}s broker outage (longer than the "
-                       f"{drain_window_s:.0f}s drain window)"
-                       if faults is not None and outage_losses else ""))
+          "purpose" + (f"; {outage_losses} RECYCLE_WITH_LOSS from the injected faults "
+                       f"(downstream confirmed after the {drain_window_s:.0f}s drain window "
+                       "had ended, as the log shows)" if outage_losses else ""))
     print(f"dead letters: {dict(view.dead_letters) or 'none'}; anomalies: "
           f"{len(view.anomalies) or 'none'}")
     stats = archive.get("stats")
