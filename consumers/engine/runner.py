@@ -69,7 +69,7 @@ TICK_KEY = b"_tick"
 _MAX_IDLE_S = 10.0
 _STATS_S = 10.0
 _STATS = ("batches", "records", "outputs", "changelog", "poll_s", "handle_s", "txn_s",
-          "age_ms", "age_max_ms")
+          "txn_max_ms", "age_ms", "age_max_ms", "between_polls_max_ms")
 
 
 class InRecord(NamedTuple):
@@ -555,9 +555,14 @@ class Runner:
         idle_since = time.monotonic()
         clean = False
         try:
+            last_poll_end: float | None = None
             while not self.stopping.is_set():
                 t_poll = time.perf_counter()
+                if last_poll_end is not None:  # a stall of the loop (processing, a transaction)
+                    self._stats["between_polls_max_ms"] = max(
+                        self._stats["between_polls_max_ms"], 1000 * (t_poll - last_poll_end))
                 batch = await self._consumer.getmany(timeout_ms=200, max_records=2000)
+                last_poll_end = time.perf_counter()
                 if ticker.done():  # it only ends by failing: stop rather than run tickless
                     ticker.result()
                 self._stats["poll_s"] += time.perf_counter() - t_poll
@@ -768,6 +773,7 @@ class Runner:
         metrics.BATCH_SECONDS.labels(self.spec.name).observe(done - started)
         self.processed += n_records
         self._stats["txn_s"] += done - t_txn
+        self._stats["txn_max_ms"] = max(self._stats["txn_max_ms"], 1000 * (done - t_txn))
         if time.monotonic() - self._stats_since >= _STATS_S:
             self._log_stats()
 
@@ -776,11 +782,12 @@ class Runner:
         b = max(1.0, st["batches"])
         log.info("%s: %.0fs: %d batches, %.1f records/batch, %.1f outputs + %.1f state "
                  "records/batch; per batch %.1f ms polling, %.1f ms processing, %.1f ms "
-                 "transaction; input age at poll mean %.0f ms, max %.0f ms", self.spec.name,
+                 "transaction (max %.0f ms); input age at poll mean %.0f ms, max %.0f ms; "
+                 "longest time between polls %.0f ms", self.spec.name,
                  now - self._stats_since, st["batches"], st["records"] / b, st["outputs"] / b,
                  st["changelog"] / b, 1000 * st["poll_s"] / b, 1000 * st["handle_s"] / b,
-                 1000 * st["txn_s"] / b, st["age_ms"] / max(1.0, st["records"]),
-                 st["age_max_ms"])
+                 1000 * st["txn_s"] / b, st["txn_max_ms"], st["age_ms"] / max(1.0, st["records"]),
+                 st["age_max_ms"], st["between_polls_max_ms"])
         self._stats = dict.fromkeys(_STATS, 0.0)
         self._stats_since = now
 
