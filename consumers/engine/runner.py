@@ -565,7 +565,7 @@ class Runner:
                 last_poll_end = time.perf_counter()
                 if ticker.done():  # it only ends by failing: stop rather than run tickless
                     ticker.result()
-                self._stats["poll_s"] += time.perf_counter() - t_poll
+                self._stats["poll_s"] += last_poll_end - t_poll
                 if self._check_restore():
                     idle_since = time.monotonic()
                 if batch:  # how long the records sat in Kafka before this poll returned them
