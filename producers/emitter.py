@@ -38,7 +38,7 @@ Guarantees:
 Sending: the emitters of one event loop share one send task
 (:class:`~trajbus.producers.sender.SharedSender`): one journal sync round and one pass of sends
 for every emitter with pending events, at most every ``settings.producer.send_round_ms`` while
-more than one emitter is open.
+more than one emitter is open (longer with hundreds open, up to ``send_round_max_ms``).
 
 Ordering on Kafka follows seq order per sandbox (one partition, one in-flight batch, idempotent
 producer), except after a failed send is retried; consumers reorder by seq anyway.

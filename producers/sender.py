@@ -7,8 +7,10 @@ a second (issue 18, item 4). Here the emitters of one loop hand their ready queu
 :class:`SharedSender` task that runs *rounds*:
 
 0. while more than one emitter is open, start at most one round per
-   ``settings.producer.send_round_ms`` (10 ms): at 1 event/s per emitter a round then serves
-   ~10 emitters per 1,000 instead of one or two, for at most that much more send latency;
+   ``settings.producer.send_round_ms`` (10 ms), and per that much for every 100 open emitters
+   beyond the first hundred, up to ``send_round_max_ms`` (50 ms at 500 emitters and more): at 1
+   event/s per emitter a round then serves ~10 emitters per 100 open instead of one or two, for
+   at most that much more send latency;
 1. take every emitter that became ready since the last round, pop each one's pending events
    (in record-id, i.e. seq, order; at most ``SEND_BATCH`` each);
 2. one ``fdatasync`` round, in one thread hand-off, over the journals of those emitters with
@@ -89,6 +91,7 @@ class SharedSender:
         self._members = 0
         self._last_round = 0.0
         self.round_s: float | None = None  # the smallest send_round_ms of the members, in s
+        self.round_max_s: float | None = None  # the smallest send_round_max_ms, in s
         self.rounds = 0  # for tests and metrics
         self.sync_rounds = 0
         self.syncs = 0
@@ -97,12 +100,22 @@ class SharedSender:
     def join(self, em: SandboxEmitter) -> None:
         self._members += 1
         r = max(0.0, em.settings.producer.send_round_ms / 1000)
+        r_max = max(r, em.settings.producer.send_round_max_ms / 1000)
         if self._task is None or self._task.done():
-            self.round_s = r
+            self.round_s, self.round_max_s = r, r_max
             self._task = asyncio.get_running_loop().create_task(
                 self._run(), name="trajbus-emitter-sender")
         else:
             self.round_s = r if self.round_s is None else min(self.round_s, r)
+            self.round_max_s = r_max if self.round_max_s is None else min(self.round_max_s, r_max)
+
+    def round_interval(self) -> float:
+        """Seconds between the starts of two rounds: 0 for a lone emitter, ``send_round_ms``
+        up to 100 open emitters, that much per 100 beyond, at most ``send_round_max_ms``."""
+        if self._members <= 1 or not self.round_s:
+            return 0.0
+        grown = self.round_s * max(1.0, self._members / 100)
+        return min(grown, max(self.round_s, self.round_max_s or 0.0))
 
     def leave(self, em: SandboxEmitter) -> None:
         self._members -= 1
@@ -135,8 +148,9 @@ class SharedSender:
                 await wake.wait()
                 continue
             loop = asyncio.get_running_loop()
-            if self._members > 1 and self.round_s:  # one emitter alone never waits
-                wait = self._last_round + self.round_s - loop.time()
+            interval = self.round_interval()  # one emitter alone never waits
+            if interval:
+                wait = self._last_round + interval - loop.time()
                 if wait > 0:
                     await asyncio.sleep(wait)
             self._last_round = loop.time()

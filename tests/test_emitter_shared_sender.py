@@ -282,3 +282,33 @@ async def test_a_backlog_larger_than_a_round_is_sent_in_full(kafka_broker, uniqu
     await other.close(10)
     seen = await read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= 400)
     assert len(seen) == 400 and check_streams(seen).problems() == []
+
+
+async def test_the_round_interval_grows_with_the_emitters_open_up_to_its_cap() -> None:
+    """A lone emitter never waits; up to 100 emitters a round starts at most every
+    send_round_ms; beyond, send_round_ms per 100 open emitters, capped at send_round_max_ms,
+    so a round keeps serving many emitters' events (issue 18: 1,000 emitters in one process)."""
+    from types import SimpleNamespace
+
+    from trajbus.producers.sender import SharedSender
+
+    def member(round_ms: float, max_ms: float) -> object:
+        return SimpleNamespace(settings=SimpleNamespace(producer=SimpleNamespace(
+            send_round_ms=round_ms, send_round_max_ms=max_ms)))
+
+    sender = SharedSender()
+    intervals = {}
+    for n in range(1, 1001):
+        sender.join(member(10, 50))  # type: ignore[arg-type]
+        intervals[n] = sender.round_interval()
+    assert intervals[1] == 0.0
+    assert intervals[2] == intervals[100] == pytest.approx(0.010)
+    assert intervals[200] == pytest.approx(0.020)
+    assert intervals[500] == intervals[1000] == pytest.approx(0.050)
+    # the strictest member decides: one emitter asking for rounds every 0 ms (as soon as due)
+    sender.join(member(0, 0))  # type: ignore[arg-type]
+    assert sender.round_interval() == 0.0
+    for _ in range(1001):
+        sender.leave(None)  # type: ignore[arg-type]
+    assert sender._task is not None
+    await asyncio.wait_for(sender._task, 5)  # no member left: its task ends
