@@ -325,6 +325,7 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
         isolation_level="read_committed",
         max_partition_fetch_bytes=max(settings.topics.max_message_bytes, 1_048_576),
         fetch_max_bytes=max(4 * settings.topics.max_message_bytes, 52_428_800),
+        fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,  # idle partitions: see there
         # The store may block a batch for up to store_retry_s while S3 is down: stay in the
         # group meanwhile (heartbeats run on the event loop; this bounds the time between polls).
         max_poll_interval_ms=max(300_000, int((cfg.store_retry_s + 120) * 1000)),

@@ -49,6 +49,14 @@ class KafkaSettings(BaseModel):
     # cut that wait from up to 2 s to up to 0.5 s (bench/bench_rebalance.py, SCALING.md
     # section 8). At most a third of the session timeout.
     heartbeat_interval_ms: int = Field(default=500, ge=100)
+    # How long the broker may hold a fetch that finds no new data (the workers', archiver's and
+    # trainers' consumers). aiokafka keeps one fetch in flight per broker, and a fetch leaves out
+    # the partitions whose records the process has not taken yet; while a batch's transaction
+    # runs, that can be a fetch of idle partitions only, which the broker holds this long while
+    # the busy partitions' records wait behind it. aiokafka's default, 500 ms, silenced every
+    # partition of a worker for ~0.5-0.6 s now and then (bench/bench_rebalance.py; RELIABILITY
+    # finding W); 100 ms bounds it, for a few more fetches a second of idle partitions.
+    fetch_max_wait_ms: int = Field(default=100, ge=0, le=500)
 
     @model_validator(mode="after")
     def _heartbeat_within_session(self) -> KafkaSettings:

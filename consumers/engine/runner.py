@@ -546,6 +546,7 @@ class Runner:
             metadata_max_age_ms=5000,  # pattern subscriptions see new replay topics quickly
             max_partition_fetch_bytes=k.max_request_size,
             fetch_max_bytes=4 * k.max_request_size,
+            fetch_max_wait_ms=k.fetch_max_wait_ms,  # see KafkaSettings.fetch_max_wait_ms
         )
         await self._start_clients(producer_args, consumer_args)
         assert self._producer is not None and self._consumer is not None

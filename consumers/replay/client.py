@@ -261,6 +261,7 @@ class ReplayClient:
             isolation_level="read_committed",
             metadata_max_age_ms=5000,  # a task's replay topic may be created after we subscribe
             max_partition_fetch_bytes=self.settings.kafka.max_request_size,
+            fetch_max_wait_ms=self.settings.kafka.fetch_max_wait_ms,  # idle topics: see there
         )
         try:
             await self._consumer.start()
