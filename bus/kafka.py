@@ -142,6 +142,21 @@ async def _sasl_refusal(k: KafkaSettings) -> str | None:
     return None
 
 
+def sender_crash(producer: Any) -> BaseException | None:
+    """The error that ended an aiokafka producer's sender routine, if it ended with one.
+
+    When that routine meets an error it does not handle (a connection lost during a
+    coordinator look-up, CI 2026-12-02), every pending send and the transaction fail with
+    ``KafkaError: Unexpected error during batch delivery``; the sends get copies without the
+    cause, so only the routine's own error tells that the broker went away."""
+    sender = getattr(producer, "_sender", None)
+    task = getattr(sender, "sender_task", None)
+    if task is None or not task.done() or task.cancelled():
+        return None
+    exc: BaseException | None = task.exception()
+    return exc
+
+
 def broker_went_away(exc: BaseException) -> bool:
     """True for a client error that says the broker is unreachable or restarting (the
     connection refused, closed or timed out, the node or coordinator not ready) -- also when

@@ -5,6 +5,8 @@ episode, a forgotten sandbox)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from aiokafka import TopicPartition
 from support import settings_for
@@ -12,7 +14,13 @@ from support import settings_for
 from trajbus.bus.admin import ensure_topics
 from trajbus.bus.producer import close_producer, get_producer
 from trajbus.bus.topics import TopicSpec
-from trajbus.consumers.engine.runner import InRecord, OutRecord, ProcessorSpec, Runner
+from trajbus.consumers.engine.runner import (
+    InRecord,
+    OutRecord,
+    ProcessorSpec,
+    RestoreAborted,
+    Runner,
+)
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(90)]
 
@@ -200,3 +208,56 @@ async def test_a_restore_that_begins_while_the_broker_restarts_waits_for_it(
     core = runner.cores[0]
     assert isinstance(core, Recording)
     assert core.state == {"k": b"v"}
+
+
+async def test_a_restore_that_loses_its_broker_connection_reads_again_and_completes(
+        kafka_broker, unique_name, monkeypatch) -> None:
+    """Soak, 2026-12-02: the broker went down while a worker restored at start-up; the
+    restore consumer's fetch was cancelled as its connection closed, and the CancelledError
+    stopped the worker. A restore is idempotent (it reads the changelog from its beginning):
+    it is read again once the broker answers."""
+    from aiokafka import AIOKafkaConsumer
+
+    settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=1)
+    spec = ProcessorSpec(name="rec", input_topics=[f"{unique_name}.in"], factory=Recording)
+    runner = Runner(settings, spec, "w0")
+    await ensure_topics(settings, [TopicSpec(runner.changelog, 1, "test", "key",
+                                             retention_ms=-1, compacted=True)])
+    producer = await get_producer(settings.kafka)
+    try:
+        for i in range(50):
+            await (await producer.send(runner.changelog, f"v{i}".encode(),
+                                       key=f"k{i % 7}".encode(), partition=0))
+    finally:
+        await close_producer()
+    interrupted = {"left": 1}
+    real_getmany = AIOKafkaConsumer.getmany
+
+    async def getmany(self: AIOKafkaConsumer, *tps: TopicPartition, **kw: object) -> object:
+        batch = await real_getmany(self, *tps, **kw)  # type: ignore[arg-type]
+        if batch and interrupted["left"] and self._client._client_id.endswith("-restore"):
+            interrupted["left"] -= 1
+            raise asyncio.CancelledError()  # what aiokafka's fetcher raised as it closed
+        return batch
+
+    monkeypatch.setattr(AIOKafkaConsumer, "getmany", getmany)
+    await runner.restore([TopicPartition(f"{unique_name}.in", 0)])
+    assert interrupted["left"] == 0
+    core = runner.cores[0]
+    assert isinstance(core, Recording)
+    assert core.state == {f"k{k}": f"v{max(i for i in range(50) if i % 7 == k)}".encode()
+                          for k in range(7)}
+
+
+async def test_a_restore_called_off_ends_its_thread(kafka_broker, unique_name) -> None:
+    """A restore runs in a thread; cancelling the task that awaits it does not stop the
+    thread, and a process waits for its threads at exit. Calling it off ends the thread."""
+    settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=1)
+    spec = ProcessorSpec(name="rec", input_topics=[f"{unique_name}.in"], factory=Recording)
+    runner = Runner(settings, spec, "w0")
+    await ensure_topics(settings, [TopicSpec(runner.changelog, 1, "test", "key",
+                                             retention_ms=-1, compacted=True)])
+    runner._abort_restore.set()
+    with pytest.raises(RestoreAborted):
+        await asyncio.wait_for(runner.restore([TopicPartition(f"{unique_name}.in", 0)]), 30)
+    assert 0 not in runner.cores

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from trajbus.bus.settings import Settings, get_settings
@@ -102,31 +103,20 @@ def build_specs(settings: Settings, names: list[str]) -> list[Any]:
 
 
 async def run_workers(settings: Settings, names: list[str], worker_id: str,
-                      until_idle: float | None = None) -> dict[str, int]:
-    from trajbus.consumers.engine.runner import Runner
+                      until_idle: float | None = None, *,
+                      on_stop: Callable[[str], None] | None = None) -> dict[str, int]:
+    """Run the named processors in this process until a signal, ``until_idle`` or a failure
+    (:class:`~trajbus.consumers.engine.supervisor.Worker` says what survives what)."""
+    from trajbus.consumers.engine.supervisor import Worker
 
-    runners = [Runner(settings, spec, worker_id) for spec in build_specs(settings, names)]
+    worker = Worker(settings, build_specs(settings, names), worker_id, on_stop=on_stop)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
-            loop.add_signal_handler(sig, lambda: [r.stopping.set() for r in runners])
+            loop.add_signal_handler(sig, worker.stop, f"signal {sig.name}")
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
-    async def guarded(runner: Runner) -> None:
-        try:
-            await runner.run(until_idle=until_idle)
-        except BaseException as exc:  # one processor failing stops the others (their threads)
-            if not isinstance(exc, asyncio.CancelledError):
-                # the user sees one line (trajbus.cli); with -v the log keeps where it came from
-                logging.getLogger("trajbus.worker").info(
-                    "%s stopped: %s: %s", runner.spec.name, type(exc).__name__, exc,
-                    exc_info=True)
-            for r in runners:
-                r.stopping.set()
-            raise
-
-    await asyncio.gather(*(guarded(r) for r in runners))
-    return {r.spec.name: r.processed for r in runners}
+    return await worker.run(until_idle=until_idle)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -142,7 +132,12 @@ def _worker(args: argparse.Namespace) -> int:
         from trajbus.consumers.engine.metrics import start_http_server
 
         start_http_server(args.metrics_port, addr="127.0.0.1")
-    counts = asyncio.run(run_workers(get_settings(), names, args.worker_id, args.until_idle))
+    from trajbus.consumers.engine.supervisor import arm_hard_exit
+
+    # Once the worker begins to stop (a signal, a failed processor), it must be gone within a
+    # deadline, so that its supervisor can start it again (RELIABILITY.md, finding X).
+    counts = asyncio.run(run_workers(get_settings(), names, args.worker_id, args.until_idle,
+                                     on_stop=lambda reason: arm_hard_exit(reason)))
     print(json.dumps({"processed": counts}), file=sys.stderr)
     return 0
 

@@ -14,9 +14,12 @@ REORDER_BUFFERED = Gauge("trajbus_reorder_buffered_events", "Events buffered out
 GAPS = Counter("trajbus_reorder_gaps_total", "Gaps closed by timeout")
 LATE = Counter("trajbus_reorder_late_total", "Events that arrived after their gap was closed")
 ALERTS = Counter("trajbus_watchdog_alerts_total", "Watchdog alerts", ["alert"])
+PROCESSOR_RESTARTS = Counter(
+    "trajbus_processor_restarts_total", "Processors restarted in-process after losing the "
+    "broker (rebuilt from their committed state)", ["processor"])
 DECISIONS = Counter("trajbus_scheduler_decisions_total", "Scheduling decisions", ["decision"])
 
 __all__ = [
     "ALERTS", "BATCH_SECONDS", "DEAD_LETTERS", "DECISIONS", "EVENTS_IN", "EVENTS_OUT", "GAPS",
-    "LATE", "REORDER_BUFFERED", "start_http_server",
+    "LATE", "PROCESSOR_RESTARTS", "REORDER_BUFFERED", "start_http_server",
 ]

@@ -32,6 +32,7 @@ import ctypes.util
 import gc
 import logging
 import re
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -57,6 +58,7 @@ from trajbus.bus.kafka import (
     check_broker,
     connection_options,
     retry_while_broker_restarts,
+    sender_crash,
 )
 from trajbus.bus.producer import producer_options
 from trajbus.bus.settings import Settings
@@ -162,6 +164,20 @@ def changelog_configs(max_batch_bytes: int) -> dict[str, str]:
 # committed transaction's markers land in milliseconds; one pending longer belongs to an owner
 # that died mid-transaction (RELIABILITY.md, finding P).
 RESTORE_PENDING_TXN_WAIT_S = 5.0
+# A restore whose reads get no answer for this long gives up (the broker is gone for good, or
+# for longer than a restart); the worker's supervisor restarts the processor.
+RESTORE_STALL_S = 60.0
+CLIENT_CLOSE_S = 15.0
+
+
+class RestoreInterrupted(KafkaConnectionError):
+    """A restore lost the broker while reading the changelog (a restart). It is retried;
+    being a connection error, a processor that still fails of it is restarted
+    (consumers/engine/supervisor.py)."""
+
+
+class RestoreAborted(Exception):
+    """The restore was called off (its partitions revoked, the runner stopping)."""
 
 
 def _return_freed_memory() -> None:
@@ -255,6 +271,9 @@ class Runner:
         # Partitions newly assigned beside kept ones are restored by this task while the kept
         # ones keep flowing (they are paused until their cores are built).
         self._restoring: asyncio.Task[None] | None = None
+        # Set to call off a restore running in its thread (cancelling the task awaiting the
+        # thread does not stop the thread, and a process waits for its threads at exit).
+        self._abort_restore = threading.Event()
         self.stopping = asyncio.Event()
         self.idle_batches = 0
         self.processed = 0
@@ -332,9 +351,11 @@ class Runner:
         """Stop a restore still running (its partitions are being revoked)."""
         task, self._restoring = self._restoring, None
         if task is not None and not task.done():
+            self._abort_restore.set()
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, RestoreAborted):
                 await task
+            self._abort_restore.clear()
 
     def _check_restore(self) -> bool:
         """True while a restore runs; raises if one failed (the worker stops, as after any
@@ -390,7 +411,7 @@ class Runner:
                  self.spec.name, restored, slots, time.monotonic() - started)
 
     def _restore_in_thread(self, slots: list[int]) -> tuple[dict[int, Processor], int]:
-        latest, restored = asyncio.run(self._read_changelog(slots))
+        latest, restored = asyncio.run(self._read_changelog_retrying(slots))
         gc.collect()  # the fetched records: gone before the cores are built
         fresh = {s: self.spec.factory() for s in slots}
         for slot in slots:
@@ -401,6 +422,32 @@ class Runner:
             values.clear()
         _return_freed_memory()
         return fresh, restored
+
+    async def _read_changelog_retrying(self, slots: list[int]
+                                       ) -> tuple[dict[int, dict[str, bytes | None]], int]:
+        """:meth:`_read_changelog`, read again from the start if the broker went away
+        meanwhile (a restart during a restore stopped a worker in the soak of 2026-12-02),
+        for up to ``TOPIC_SETUP_PATIENCE_S``."""
+        async def attempt() -> tuple[dict[int, dict[str, bytes | None]], int]:
+            try:
+                return await self._read_changelog(slots)
+            except asyncio.CancelledError as exc:
+                # Nothing cancels this thread's loop but aiokafka itself (a fetch task
+                # cancelled as its connection closed): an interruption, not a request to stop
+                if self._abort_restore.is_set():
+                    raise RestoreAborted(f"{self.spec.name}: restore called off") from exc
+                raise RestoreInterrupted(f"{self.spec.name}: restore interrupted "
+                                         "(the broker connection closed)") from exc
+            except KafkaError as exc:
+                if broker_went_away(exc) and not isinstance(exc, KafkaConnectionError):
+                    raise RestoreInterrupted(f"{self.spec.name}: restore interrupted "
+                                             f"({type(exc).__name__}: {exc})") from exc
+                raise
+
+        return await retry_while_broker_restarts(
+            attempt, transient=(KafkaConnectionError,),
+            patience_s=lambda: 0.0 if self._abort_restore.is_set() else TOPIC_SETUP_PATIENCE_S,
+            what=f"{self.spec.name}: restore")
 
     async def _start_restore_consumer(self) -> AIOKafkaConsumer:
         """A consumer of the changelog. A restore can begin while the broker is restarting
@@ -454,10 +501,19 @@ class Runner:
             # owner; the broker aborts it after its timeout, and its offsets were never
             # committed): the state up to the last stable offset is then the consistent one.
             pending = set(tps)
-            waited_since = time.monotonic()
+            waited_since = answered_at = time.monotonic()
             batch: dict[TopicPartition, list[Any]] = {}
             while pending:
+                if self._abort_restore.is_set():
+                    raise RestoreAborted(f"{self.spec.name}: restore called off")
                 batch = await consumer.getmany(*pending, timeout_ms=100)
+                if batch:
+                    answered_at = time.monotonic()
+                elif time.monotonic() - answered_at > RESTORE_STALL_S:
+                    raise KafkaConnectionError(
+                        f"{self.spec.name}: restore got no answer from the broker for "
+                        f"{RESTORE_STALL_S:.0f} s (partitions {sorted(slots)} of "
+                        f"{self.changelog})")
                 for tp, msgs in batch.items():
                     values = latest[tp.partition]
                     for msg in msgs:
@@ -479,6 +535,7 @@ class Runner:
                                         "stable offset %d (high watermark %d)", self.spec.name,
                                         tp.partition, RESTORE_PENDING_TXN_WAIT_S, lso, hw)
                         pending.discard(tp)
+                        answered_at = time.monotonic()
         finally:
             await consumer.stop()
         return latest, restored
@@ -597,6 +654,7 @@ class Runner:
             clean = True
         finally:
             await self.cancel_restore()
+            self._abort_restore.set()  # a restore thread of an assignment callback, if any
             if self._inflight is not None:  # failing: the broker aborts it (or it commits)
                 self._inflight.cancel()
                 with contextlib.suppress(BaseException):
@@ -606,10 +664,19 @@ class Runner:
             # its error (if any) was raised above; here it must not skip closing the clients
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await ticker
-            await self._consumer.stop()
-            await self._producer.stop()
+            await self._close(self._consumer, "consumer")
+            await self._close(self._producer, "producer")
             if clean:  # a crash stays a member: its restart takes the partitions back
                 await self._leave_group()
+
+    async def _close(self, client: AIOKafkaConsumer | AIOKafkaProducer, what: str) -> None:
+        """Close a client within ``CLIENT_CLOSE_S``: a close that hangs (a client whose
+        background task died with the broker) must not keep the worker from stopping."""
+        try:
+            await asyncio.wait_for(client.stop(), CLIENT_CLOSE_S)
+        except (TimeoutError, KafkaError, OSError) as exc:
+            log.warning("%s: its %s did not close cleanly (%s: %s)", self.spec.name, what,
+                        type(exc).__name__, exc or f"not within {CLIENT_CLOSE_S:.0f} s")
 
     async def _start_clients(self, producer_args: dict[str, Any],
                              consumer_args: dict[str, Any]) -> None:
@@ -750,6 +817,33 @@ class Runner:
                       n_records: int, started: float) -> None:
         assert self._producer is not None
         t_txn = time.perf_counter()
+        try:
+            await self._transact(outs, state, offsets)
+        except KafkaError:
+            crash = sender_crash(self._producer)
+            if crash is not None:  # it carries the cause (the broker went away, or not)
+                raise crash  # noqa: B904 -- the failed transaction stays its context
+            raise
+        self._committed.update(offsets)
+        counts_out: dict[str, int] = {}
+        for out in outs:
+            counts_out[out.topic] = counts_out.get(out.topic, 0) + 1
+        for topic, n in counts_in.items():
+            metrics.EVENTS_IN.labels(self.spec.name, topic).inc(n)
+        for topic, n in counts_out.items():
+            metrics.EVENTS_OUT.labels(self.spec.name, topic).inc(n)
+        done = time.perf_counter()
+        metrics.BATCH_SECONDS.labels(self.spec.name).observe(done - started)
+        self.processed += n_records
+        self._stats["txn_s"] += done - t_txn
+        self._stats["txn_max_ms"] = max(self._stats["txn_max_ms"], 1000 * (done - t_txn))
+        if time.monotonic() - self._stats_since >= _STATS_S:
+            self._log_stats()
+
+    async def _transact(self, outs: list[OutRecord], state: list[tuple[int, str, bytes | None]],
+                        offsets: dict[TopicPartition, int]) -> None:
+        """One Kafka transaction: the batch's outputs, its state records, its input offsets."""
+        assert self._producer is not None
         send = self._producer.send
         async with self._producer.transaction():
             futures = [await send(o.topic, o.value, key=o.key, partition=o.partition)
@@ -766,21 +860,6 @@ class Runner:
             # retried after aiokafka's 100 ms backoff (or the offsets' came back
             # COORDINATOR_NOT_AVAILABLE). RELIABILITY.md, tests/test_runner_txn_retries.py.
             await self._producer.send_offsets_to_transaction(offsets, self.group_id)
-        self._committed.update(offsets)
-        counts_out: dict[str, int] = {}
-        for out in outs:
-            counts_out[out.topic] = counts_out.get(out.topic, 0) + 1
-        for topic, n in counts_in.items():
-            metrics.EVENTS_IN.labels(self.spec.name, topic).inc(n)
-        for topic, n in counts_out.items():
-            metrics.EVENTS_OUT.labels(self.spec.name, topic).inc(n)
-        done = time.perf_counter()
-        metrics.BATCH_SECONDS.labels(self.spec.name).observe(done - started)
-        self.processed += n_records
-        self._stats["txn_s"] += done - t_txn
-        self._stats["txn_max_ms"] = max(self._stats["txn_max_ms"], 1000 * (done - t_txn))
-        if time.monotonic() - self._stats_since >= _STATS_S:
-            self._log_stats()
 
     def _log_stats(self) -> None:
         st, now = self._stats, time.monotonic()
