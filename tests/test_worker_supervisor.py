@@ -16,14 +16,15 @@ import asyncio
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
-from aiokafka.errors import KafkaConnectionError
+from aiokafka.errors import KafkaConnectionError, KafkaError
 from aiokafka.producer.sender import Sender
 from support import EchoCore, consume_until, produce, settings_for
 
 from trajbus.bus.admin import ensure_topics
+from trajbus.bus.kafka import BrokerUnavailableError
 from trajbus.bus.topics import TopicSpec
 from trajbus.consumers.engine import supervisor as supervisor_module
 from trajbus.consumers.engine.runner import ProcessorSpec, Runner
@@ -75,50 +76,105 @@ async def test_a_processor_whose_producer_dies_with_the_broker_connection_is_reb
     assert processed["echo"] >= len(expected)
 
 
-class _FailingRunner:
-    """A runner that fails at once with an error that is not about the broker."""
+class _FakeRunner:
+    runs: ClassVar[list[tuple[str, bool]]] = []  # (class, recovering) of every run, in order
 
     def __init__(self, *_: Any) -> None:
         self.stopping = asyncio.Event()
         self.processed = 0
+        self.started = False
 
-    async def run(self, until_idle: float | None = None) -> None:
+    async def run(self, until_idle: float | None = None, recovering: bool = False) -> None:
+        _FakeRunner.runs.append((type(self).__name__, recovering))
+        await self.go()
+
+    async def go(self) -> None:
+        raise NotImplementedError
+
+
+class _FailingRunner(_FakeRunner):
+    """Fails once running, with an error that is not about the broker."""
+
+    async def go(self) -> None:
+        self.started = True
         await asyncio.sleep(0.05)
         raise ValueError("a bug in a core")
 
 
-class _StubbornRunner:
+class _StubbornRunner(_FakeRunner):
     """A runner whose shutdown never ends (a client's close that hangs)."""
 
-    def __init__(self, *_: Any) -> None:
-        self.stopping = asyncio.Event()
-        self.processed = 0
-
-    async def run(self, until_idle: float | None = None) -> None:
+    async def go(self) -> None:
+        self.started = True
         await self.stopping.wait()
         await asyncio.Event().wait()
+
+
+class _NoBrokerAtStartRunner(_FakeRunner):
+    """The broker does not answer its start-up check."""
+
+    async def go(self) -> None:
+        raise BrokerUnavailableError("Kafka at 127.0.0.1:1 did not answer within 10s")
+
+
+class _LosesBrokerOnceRunner(_FakeRunner):
+    """Starts, processes, loses the broker the first time; runs until idle the second."""
+
+    async def go(self) -> None:
+        self.started = True
+        self.processed = 7
+        if sum(1 for name, _ in _FakeRunner.runs if name == "_LosesBrokerOnceRunner") == 1:
+            raise _lost_connection()
+
+
+def _lost_connection() -> KafkaError:
+    cause = KafkaConnectionError("Connection at 127.0.0.1:9092 closed")
+    try:
+        raise KafkaError("Unexpected error during batch delivery") from cause
+    except KafkaError as exc:
+        return exc
+
+
+def _worker_of(*runner_classes: type[_FakeRunner], **kw: Any) -> Worker:
+    _FakeRunner.runs = []
+    by_name = {cls.__name__: cls for cls in runner_classes}
+    specs = [ProcessorSpec(name=n, input_topics=["x"], factory=EchoCore) for n in by_name]
+
+    def factory(settings: Any, spec: ProcessorSpec, worker_id: str) -> Runner:
+        return by_name[spec.name](settings, spec, worker_id)  # type: ignore[return-value]
+
+    return Worker(settings_for("127.0.0.1:1", "unused"), specs, "w0", runner_factory=factory,
+                  **kw)
+
+
+async def test_a_processor_that_lost_the_broker_while_running_restarts_waiting_for_it() -> None:
+    worker = _worker_of(_LosesBrokerOnceRunner)
+    processed = await asyncio.wait_for(worker.run(), timeout=10)
+    assert _FakeRunner.runs == [("_LosesBrokerOnceRunner", False),
+                                ("_LosesBrokerOnceRunner", True)]  # the restart waits
+    assert worker.restarts == {"_LosesBrokerOnceRunner": 1}
+    assert processed == {"_LosesBrokerOnceRunner": 14}  # both incarnations counted
+
+
+async def test_a_broker_that_does_not_answer_at_start_up_still_fails_fast() -> None:
+    worker = _worker_of(_NoBrokerAtStartRunner)
+    with pytest.raises(BrokerUnavailableError, match="did not answer"):
+        await asyncio.wait_for(worker.run(), timeout=10)
+    assert _FakeRunner.runs == [("_NoBrokerAtStartRunner", False)]  # not restarted
 
 
 async def test_a_processor_failing_for_another_reason_stops_the_worker_within_the_deadline(
         monkeypatch) -> None:
     monkeypatch.setattr(supervisor_module, "STOP_DEADLINE_S", 0.5)
     stops: list[str] = []
-    specs = [ProcessorSpec(name=n, input_topics=["x"], factory=EchoCore)
-             for n in ("failing", "stubborn")]
-    factories = {"failing": _FailingRunner, "stubborn": _StubbornRunner}
-
-    def factory(settings: Any, spec: ProcessorSpec, worker_id: str) -> Runner:
-        return factories[spec.name](settings, spec, worker_id)  # type: ignore[return-value]
-
-    worker = Worker(settings_for("127.0.0.1:1", "unused"), specs, "w0",
-                    runner_factory=factory, on_stop=stops.append)
+    worker = _worker_of(_FailingRunner, _StubbornRunner, on_stop=stops.append)
     started = time.monotonic()
     with pytest.raises(ValueError, match="a bug in a core"):
         await asyncio.wait_for(worker.run(), timeout=10)
     assert time.monotonic() - started < 5
-    assert worker.restarts == {"failing": 0, "stubborn": 0}  # not about the broker: no restart
-    assert len(stops) == 1 and "failing" in stops[0]
-    assert worker.current["stubborn"].stopping.is_set()
+    assert _FakeRunner.runs == [("_FailingRunner", False), ("_StubbornRunner", False)]
+    assert len(stops) == 1 and "_FailingRunner" in stops[0]
+    assert worker.current["_StubbornRunner"].stopping.is_set()
 
 
 def test_a_worker_that_hangs_while_stopping_exits_with_a_message_and_its_threads_stacks(

@@ -54,6 +54,7 @@ from trajbus.bus.admin import (
     leave_group_as_static_member,
 )
 from trajbus.bus.kafka import (
+    BrokerUnavailableError,
     broker_went_away,
     check_broker,
     connection_options,
@@ -277,6 +278,7 @@ class Runner:
         self.stopping = asyncio.Event()
         self.idle_batches = 0
         self.processed = 0
+        self.started = False  # its clients started: it got past start-up (see run)
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
         self._known_topics: set[str] = set()
@@ -541,7 +543,12 @@ class Runner:
         return latest, restored
 
     # -- topics -------------------------------------------------------------------------
-    async def _prepare_topics(self) -> None:
+    async def _prepare_topics(self, *, known_broker: bool = False) -> None:
+        specs = self._topic_specs()
+        await ensure_topics(self.settings, specs, known_broker=known_broker)
+        self._known_topics.update(s.name for s in specs)
+
+    def _topic_specs(self) -> list[TopicSpec]:
         parts = 1 if self.spec.global_state else self.settings.topics.partitions
         specs = [TopicSpec(self.changelog, parts, f"{self.spec.name} state changelog",
                            "state key", retention_ms=-1, compacted=True,
@@ -550,8 +557,7 @@ class Runner:
         specs += self.topics.specs + list(self.spec.output_topics()) + self.spec.extra_topics
         specs += [TopicSpec(t, parts, "ticks", "-", retention_ms=3_600_000)
                   for t in self.spec.tick_topics or () if t not in {s.name for s in specs}]
-        await ensure_topics(self.settings, specs)
-        self._known_topics.update(s.name for s in specs)
+        return specs
 
     async def _ensure_output_topic(self, topic: str) -> None:
         """Create an output topic on its first use (a new task's replay topic). The broker
@@ -565,10 +571,21 @@ class Runner:
         self._known_topics.add(topic)
 
     # -- main loop ----------------------------------------------------------------------
-    async def run(self, *, until_idle: float | None = None) -> None:
-        """Process until stopped (or until no input arrived for ``until_idle`` seconds)."""
-        await check_broker(self.settings.kafka)
-        await self._prepare_topics()
+    async def run(self, *, until_idle: float | None = None, recovering: bool = False) -> None:
+        """Process until stopped (or until no input arrived for ``until_idle`` seconds).
+
+        A first start fails fast when the broker does not answer (it says what to set). A
+        ``recovering`` run (the processor lost the broker while running: the supervisor starts
+        it again) waits for the broker instead, up to ``TOPIC_SETUP_PATIENCE_S``: a restart
+        of the broker takes longer than the fail-fast timeout."""
+        if recovering:
+            await retry_while_broker_restarts(
+                lambda: check_broker(self.settings.kafka),
+                transient=(BrokerUnavailableError, KafkaConnectionError),
+                patience_s=lambda: TOPIC_SETUP_PATIENCE_S, what=f"{self.spec.name}: restart")
+        else:
+            await check_broker(self.settings.kafka)
+        await self._prepare_topics(known_broker=recovering)
         k = self.settings.kafka
         producer_args = dict(  # for producer_options (with the connection's settings)
             client_id=f"{self.group_id}-{self.worker_id}",
@@ -607,6 +624,7 @@ class Runner:
         )
         await self._start_clients(producer_args, consumer_args)
         assert self._producer is not None and self._consumer is not None
+        self.started = True
         if self.spec.input_pattern:
             pattern = "|".join([self.spec.input_pattern] +
                                [re.escape(t) + "$" for t in self.spec.input_topics])

@@ -102,7 +102,7 @@ class Worker:
             if self._stop_reason is not None:
                 return
             try:
-                await runner.run(until_idle=until_idle)
+                await runner.run(until_idle=until_idle, recovering=bool(recent))
                 return
             except Exception as exc:
                 # the user sees one line (trajbus.cli); with -v the log keeps where it came from
@@ -111,8 +111,10 @@ class Worker:
                 now = time.monotonic()
                 while recent and now - recent[0] > RESTART_WINDOW_S:
                     recent.popleft()
+                # Start-up fails fast (a broker that never answered says what to set); only a
+                # processor that was running, or already recovering, is started again.
                 if (self._stop_reason is not None or not broker_went_away(exc)
-                        or len(recent) >= RESTARTS_MAX):
+                        or not (runner.started or recent) or len(recent) >= RESTARTS_MAX):
                     raise
                 recent.append(now)
                 self.restarts[spec.name] += 1
