@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -17,16 +18,26 @@ from trajbus.bus.settings import Settings, get_settings
 PROCESSORS = ("reorder", "watchdog", "scheduler")
 
 
+def _paragraphs(*paragraphs: str) -> str:
+    return "\n\n".join(textwrap.fill(p, 88) for p in paragraphs)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     w = sub.add_parser(
         "worker",
         help="run stream processors (reorder, watchdog, scheduler)",
-        description="Run one or several processors as Kafka consumer-group members. Each "
-        "consumes its inputs, feeds a pure core and commits outputs, state changelog and "
-        "offsets in one Kafka transaction, so a killed worker resumes with nothing lost and "
-        "nothing duplicated. Start several workers with distinct --worker-id values to share "
-        "partitions (the scheduler is global: one worker, the smallest --worker-id, runs it "
-        "and the others stand by to take it over).",
+        description=_paragraphs(
+            "Run one or several processors as Kafka consumer-group members. Each consumes its "
+            "inputs, feeds a pure core and commits outputs, state changelog and offsets in one "
+            "Kafka transaction, so a killed worker resumes with nothing lost and nothing "
+            "duplicated.",
+            "Start several workers with distinct --worker-id values to share partitions (the "
+            "scheduler is global: one worker, the smallest --worker-id, runs it and the others "
+            "stand by to take it over).",
+            "A broker restart is ridden out: a processor that loses the broker is rebuilt in "
+            "the process from its committed state. Any other failure stops the worker with "
+            "exit code 1 (within 60 s at most, even if something hangs), for its supervisor to "
+            "restart it. Without a broker at start-up it fails fast, saying what to set."),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     w.add_argument("--processors", default=",".join(PROCESSORS),
