@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError
+from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError, OutOfOrderSequenceNumber
 from support import QuietCore, settings_for
 
 from trajbus.bus.admin import ensure_topics
@@ -129,3 +129,38 @@ async def test_a_ticker_that_cannot_start_stops_the_worker_with_its_error(
         # before the fix the worker ran on without ticks (here until the 15 s deadline)
         await asyncio.wait_for(runner.run(until_idle=60.0), timeout=15)
     assert runner._consumer is not None and runner._consumer._closed
+
+
+async def test_a_ticker_whose_producer_can_no_longer_deliver_starts_a_new_one(
+        kafka_broker, unique_name, monkeypatch) -> None:
+    """A trial of 2026-12-02: the broker went down right after a worker restored and came
+    back a minute later; from then on every tick's delivery failed with
+    OutOfOrderSequenceNumber (the idempotent producer had lost a sequence), unread ("Future
+    exception was never retrieved", 18 a second), and the watchdog's clock stopped for good.
+    Here the ticker's first producer fails every delivery that way."""
+    broken: list[AIOKafkaProducer] = []
+    starts = {"ticker": 0}
+    real_start, real_send = AIOKafkaProducer.start, AIOKafkaProducer.send
+
+    async def start(self: AIOKafkaProducer) -> None:
+        if _is_ticker(self):
+            starts["ticker"] += 1
+            if not broken:
+                broken.append(self)
+        await real_start(self)
+
+    async def send(self: AIOKafkaProducer, *args: Any, **kwargs: Any) -> Any:
+        if broken and self is broken[0]:
+            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            failed.set_exception(OutOfOrderSequenceNumber())
+            return failed
+        return await real_send(self, *args, **kwargs)
+
+    monkeypatch.setattr(AIOKafkaProducer, "start", start)
+    monkeypatch.setattr(AIOKafkaProducer, "send", send)
+    settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=PARTITIONS)
+    settings.scheduler.tick_interval_ms = 200
+    _, in_topic = await _run(settings, unique_name, until_idle=3.0)
+    assert starts["ticker"] == 2  # the broken producer was replaced once
+    counts = await _ticks_per_partition(settings, in_topic)
+    assert all(n >= 3 for n in counts.values()), counts  # none before the fix

@@ -181,6 +181,25 @@ class RestoreAborted(Exception):
     """The restore was called off (its partitions revoked, the runner stopping)."""
 
 
+def _lasting_failure(deliveries: list[asyncio.Future[Any]]) -> BaseException | None:
+    """Drop the settled deliveries from ``deliveries`` (reading their errors, which asyncio
+    would otherwise log one by one), and return the last error a retry cannot cure (not
+    ``retriable``, e.g. ``OutOfOrderSequenceNumber``: the producer fails every later send of
+    that partition too), if any."""
+    lasting: BaseException | None = None
+    pending = []
+    for fut in deliveries:
+        if not fut.done():
+            pending.append(fut)
+        elif not fut.cancelled() and (exc := fut.exception()) is not None:
+            # a batch that timed out with the broker away is not lasting by itself (if it
+            # left a gap in the sequence, the errors of the next batches say so)
+            if not getattr(exc, "retriable", False) and not isinstance(exc, KafkaTimeoutError):
+                lasting = exc
+    deliveries[:] = pending
+    return lasting
+
+
 def _return_freed_memory() -> None:
     """After a restore: give the memory the restore read through (every changelog record,
     most of them superseded) back to the OS. glibc keeps freed heap memory for reuse, so a
@@ -288,6 +307,7 @@ class Runner:
         self._inflight: asyncio.Task[None] | None = None
         self._pending: dict[TopicPartition, deque[Any]] = {}
         self._empty_since: dict[TopicPartition, float] = {}
+        self._warned_silent: set[TopicPartition] = set()  # said once per silence (_release)
         # Where a busy worker's time goes, logged (INFO) every _STATS_S while records flow.
         self._stats: dict[str, float] = dict.fromkeys(_STATS, 0.0)
         self._stats_since = time.monotonic()
@@ -304,6 +324,7 @@ class Runner:
         for tp in revoked:
             self._pending.pop(tp, None)  # unfinished records are fetched again by the owner
             self._empty_since.pop(tp, None)
+            self._warned_silent.discard(tp)
         by_slot: dict[int, dict[TopicPartition, int | None]] = {}
         for tp in revoked:
             by_slot.setdefault(self._slot(tp.partition), {})[tp] = self._committed.pop(tp, None)
@@ -758,14 +779,22 @@ class Runner:
                     self._empty_since.setdefault(tp, now)
                 if all(now - self._empty_since[tp] < _MAX_IDLE_S for tp in empty):
                     break
-                log.warning("%s: partitions %s silent for %ss; not waiting for them",
-                            self.spec.name, empty, _MAX_IDLE_S)
+                silent = [tp for tp in empty if tp not in self._warned_silent
+                          and now - self._empty_since[tp] >= _MAX_IDLE_S]
+                if silent:  # once per silence, not once per record released meanwhile
+                    self._warned_silent.update(silent)
+                    newly = sorted(f"{tp.topic}[{tp.partition}]" for tp in silent)
+                    log.warning("%s: no record (not even a tick) from %s for %.0f s; ordering "
+                                "without waiting for them (a broker restart or a stopped "
+                                "ticker; it resumes by itself when they speak again)",
+                                self.spec.name, ", ".join(newly), _MAX_IDLE_S)
             heads = [tp for tp, q in self._pending.items() if q]
             if not heads:
                 break
             tp = min(heads, key=lambda t: (self._pending[t][0].timestamp,
                                            rank.get(t.topic, len(rank)), t.topic, t.partition))
             out.append((tp, self._pending[tp].popleft()))
+            self._warned_silent.discard(tp)
             if self._pending[tp]:
                 self._empty_since.pop(tp, None)
             else:
@@ -922,18 +951,34 @@ class Runner:
         producer, targets = await retry_while_broker_restarts(
             start, transient=(KafkaConnectionError, KafkaTimeoutError),
             patience_s=lambda: TOPIC_SETUP_PATIENCE_S, what=f"{self.spec.name}: ticker")
+        deliveries: list[asyncio.Future[Any]] = []
         try:
             seq = 0
             skipped = 0
             while True:
                 await asyncio.sleep(interval)
+                broken = sender_crash(producer) or _lasting_failure(deliveries)
+                if broken is not None:
+                    # An idempotent producer that lost a sequence (OutOfOrderSequenceNumber on
+                    # every later batch, seen after a long broker restart) or whose sender
+                    # died never delivers again: the clock would stop for good
+                    log.warning("%s: ticker: its producer can no longer deliver (%s: %s); "
+                                "starting a new one", self.spec.name, type(broken).__name__,
+                                broken)
+                    await self._close(producer, "ticker producer")
+                    deliveries = []
+                    producer, targets = await retry_while_broker_restarts(
+                        start, transient=(KafkaConnectionError, KafkaTimeoutError),
+                        patience_s=lambda: TOPIC_SETUP_PATIENCE_S,
+                        what=f"{self.spec.name}: ticker")
                 now = int(time.time() * 1000)
                 try:
                     for topic, p in targets:
                         tick = Tick(header=Envelope(
                             task="_tick", sandbox="_tick", seq=seq, event_time_ms=now,
                             producer_id=f"{self.group_id}.{self.worker_id}"))
-                        await producer.send(topic, tick.encode(), key=TICK_KEY, partition=p)
+                        deliveries.append(await producer.send(topic, tick.encode(),
+                                                              key=TICK_KEY, partition=p))
                 except KafkaError as exc:  # the broker is away: the next tick tells the time
                     skipped += 1
                     if skipped == 1 or skipped % 60 == 0:
