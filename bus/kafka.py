@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -58,6 +60,7 @@ def connection_options(k: KafkaSettings) -> dict[str, Any]:
 async def check_broker(k: KafkaSettings) -> list[str]:
     """Fail fast: connect once and list topics, or raise an error that says what to set."""
     admin = AIOKafkaAdminClient(**connection_options(k), client_id=f"{k.client_id}-check")
+    started = time.monotonic()
     try:
         await asyncio.wait_for(admin.start(), timeout=k.connect_timeout_s)
         topics = await asyncio.wait_for(admin.list_topics(), timeout=k.connect_timeout_s)
@@ -78,10 +81,13 @@ async def check_broker(k: KafkaSettings) -> list[str]:
                 "and, if the broker requires client certificates, TRAJBUS_KAFKA__SSL_CERTFILE "
                 "and TRAJBUS_KAFKA__SSL_KEYFILE (a certificate its CA trusts)."
             ) from exc
+        waited = time.monotonic() - started
+        how = (f"within {k.connect_timeout_s:.0f}s" if waited >= 0.9 * k.connect_timeout_s
+               else f"(refused after {waited:.1f}s)")
         raise BrokerUnavailableError(
-            f"Kafka at {k.bootstrap_servers} did not answer within {k.connect_timeout_s:.0f}s "
-            f"({type(exc).__name__}: {exc}). Start the local broker with `trajbus kafka up`, "
-            "or point TRAJBUS_KAFKA__BOOTSTRAP_SERVERS at a running cluster."
+            f"Kafka at {k.bootstrap_servers} did not answer {how}: {_plain(exc)}. Start the "
+            "local broker with `trajbus kafka up`, or point TRAJBUS_KAFKA__BOOTSTRAP_SERVERS at "
+            "a running cluster."
         ) from exc
     finally:
         await admin.close()
@@ -140,6 +146,17 @@ async def _sasl_refusal(k: KafkaSettings) -> str | None:
         return None  # not an authentication problem: the generic error says what to do
     conn.close()
     return None
+
+
+def _plain(exc: BaseException) -> str:
+    """An error as one readable clause: aiokafka's errors repeat their class name in their
+    text ("KafkaConnectionError: KafkaConnectionError: Unable to bootstrap from [(...)]")."""
+    text = str(exc) or type(exc).__name__
+    prefix = f"{type(exc).__name__}: "
+    while text.startswith(prefix):
+        text = text[len(prefix):]
+    text = re.sub(r"\('([^']+)', (\d+), <AddressFamily\.\w+: \d+>\)", r"\1:\2", text)
+    return f"{type(exc).__name__}: {text}"
 
 
 def sender_crash(producer: Any) -> BaseException | None:

@@ -27,7 +27,7 @@ def _ordered_runner() -> Runner:
     spec = ProcessorSpec(name="sched", input_topics=[EVENTS.topic, TICKS.topic],
                          factory=QuietCore, ordered=True, global_state=True)
     runner = Runner(settings_for("127.0.0.1:1", "unused"), spec, "w0")
-    runner._consumer = SimpleNamespace(assignment=lambda: {EVENTS, TICKS})  # type: ignore[assignment]
+    runner._consumer = SimpleNamespace(assignment=lambda: {EVENTS, TICKS})
     return runner
 
 

@@ -133,6 +133,10 @@ async def run_workers(settings: Settings, names: list[str], worker_id: str,
 def _worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not getattr(args, "debug", False):  # --debug: every line of the Kafka client
+        from trajbus.bus.logs import limit_client_log
+
+        limit_client_log()
     if args.engine not in (None, "aiokafka"):
         print(f"error: --engine {args.engine} is no longer available: the faust engine was "
               "removed because it could lose events after a SIGKILL (README, 'Design'). "
