@@ -159,6 +159,17 @@ def _plain(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
+def lasting_delivery_error(exc: BaseException) -> bool:
+    """True for a delivery error no retry of the same producer cures: not ``retriable`` (e.g.
+    ``OutOfOrderSequenceNumber``: an idempotent producer that lost a sequence -- aiokafka fails
+    a batch whose partition had no leader for longer than its request timeout even when the
+    batch already carried a sequence -- has every later batch of that partition refused). A
+    timed-out batch is not, by itself: if it left a gap, the next batches' errors say so."""
+    from aiokafka.errors import KafkaTimeoutError
+
+    return not getattr(exc, "retriable", False) and not isinstance(exc, KafkaTimeoutError)
+
+
 def sender_crash(producer: Any) -> BaseException | None:
     """The error that ended an aiokafka producer's sender routine, if it ended with one.
 

@@ -127,6 +127,24 @@ async def get_producer(settings: KafkaSettings | None = None) -> AIOKafkaProduce
     return _producer
 
 
+async def replace_producer(broken: AIOKafkaProducer,
+                           settings: KafkaSettings | None = None) -> AIOKafkaProducer:
+    """The shared producer, built anew if it is still ``broken`` (its deliveries fail with an
+    error no retry of it cures: :func:`~trajbus.bus.kafka.lasting_delivery_error`). The broken
+    one is closed within ``connect_timeout_s``; what it still held fails, and its senders
+    send it again through the new one (downstream dedupes by (sandbox, episode, seq))."""
+    global _producer
+    current = _producer
+    if current is not None and current is broken:
+        _producer = None
+        k = settings or get_settings().kafka
+        try:
+            await asyncio.wait_for(current.stop(), timeout=k.connect_timeout_s)
+        except Exception:  # it is dropped either way
+            pass
+    return await get_producer(settings)
+
+
 async def _discard() -> None:
     global _producer
     p, _producer = _producer, None

@@ -40,7 +40,10 @@ Failures stay per emitter: a failed journal sync stops sending *that* emitter's 
 journal may have lost pages; they stay journaled and are re-sent by the next emitter on the
 directory) and is reported in its ``last_error``; an event the producer refuses goes back to
 its emitter's queue with the rest of that emitter's batch and is retried after a backoff
-without holding up the others; a failed delivery is re-queued at once.
+without holding up the others; a failed delivery is re-queued at once. A delivery that failed
+for good (an idempotent producer that lost a sequence after a long broker outage has every
+later batch of that partition refused: RELIABILITY finding Y) makes the next round replace the
+process's shared producer first; the events it failed are sent again through the new one.
 
 The sender talks to its emitters through a small protocol (the ``_sender_*`` methods of
 :class:`~trajbus.producers.emitter.SandboxEmitter`): take a batch, the journal fd to sync, put
@@ -56,6 +59,12 @@ import os
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from aiokafka import AIOKafkaProducer
+
+from trajbus.bus.kafka import lasting_delivery_error
+from trajbus.bus.producer import replace_producer
+from trajbus.bus.settings import KafkaSettings
 
 if TYPE_CHECKING:
     from trajbus.producers.emitter import SandboxEmitter, _Item
@@ -95,6 +104,11 @@ class SharedSender:
         self.rounds = 0  # for tests and metrics
         self.sync_rounds = 0
         self.syncs = 0
+        # The shared producer once replaced (its deliveries failed for good), and the one it
+        # replaced: emitters still holding the old one are moved to the new one as they send.
+        self._broken: AIOKafkaProducer | None = None
+        self._replacement: AIOKafkaProducer | None = None
+        self.replacements = 0
 
     # -- membership ---------------------------------------------------------------------------
     def join(self, em: SandboxEmitter) -> None:
@@ -162,7 +176,37 @@ class SharedSender:
             self.rounds += 1
             await asyncio.sleep(0)  # let emitters run between rounds
 
+    def producer_failed(self, producer: AIOKafkaProducer, exc: BaseException) -> None:
+        """A delivery through ``producer`` failed for good (:func:`lasting_delivery_error`):
+        the next round replaces it before sending."""
+        if producer is not self._replacement and producer is not self._broken:
+            log.warning("the shared Kafka producer can no longer deliver (%s: %s); replacing "
+                        "it (its undelivered events are sent again)", type(exc).__name__, exc)
+            self._broken, self._replacement = producer, None
+
+    async def _replace_broken(self, kafka: KafkaSettings) -> bool:
+        """Build the replacement of a broken producer; False while the broker is away."""
+        assert self._broken is not None
+        try:
+            self._replacement = await replace_producer(self._broken, kafka)
+        except Exception as exc:  # the broker is away: the next round tries again
+            log.warning("cannot replace the shared Kafka producer yet (%s: %s)",
+                        type(exc).__name__, exc)
+            return False
+        self.replacements += 1
+        return True
+
+    def _producer_of(self, em: SandboxEmitter) -> AIOKafkaProducer | None:
+        if self._replacement is not None and em._producer is self._broken:
+            em._producer = self._replacement
+        return em._producer
+
     async def _round(self, ready: dict[SandboxEmitter, None]) -> None:
+        if self._broken is not None and self._replacement is None and ready:
+            if not await self._replace_broken(next(iter(ready)).settings.kafka):
+                for em in ready:  # nothing is taken: they wait for the next round
+                    self.retry_later(em, BACKOFF_MAX_S)
+                return
         batches: list[tuple[SandboxEmitter, list[_Item]]] = []
         syncing: list[tuple[SandboxEmitter, int]] = []
         # -- no await: a batch is taken and its journal's fd duplicated in one step -----------
@@ -218,12 +262,11 @@ class SharedSender:
             except Exception as exc:  # a broken emitter must not stop the others
                 em._sender_stop(f"sender: {type(exc).__name__}: {exc}")
 
-    @staticmethod
-    async def _send_one(em: SandboxEmitter, batch: list[_Item]) -> None:
+    async def _send_one(self, em: SandboxEmitter, batch: list[_Item]) -> None:
         """``em``'s events in seq order, one ``send()`` each: the producer appends them to its
         batch of their partition (which it sends after ``linger_ms``, so a batch gathers the
         events of several rounds); each record's future acknowledges its event."""
-        producer = em._producer
+        producer = self._producer_of(em)
         assert producer is not None
         key = em._key
         keep_value = em._on_ack is not None
@@ -242,18 +285,20 @@ class SharedSender:
                 return
             item.in_flight = True
             fut.add_done_callback(functools.partial(_delivered, em, item,
-                                                    value if keep_value else None))
+                                                    value if keep_value else None, producer))
         em._sender_sent_ok()
 
 
 def _delivered(em: SandboxEmitter, item: _Item, value: bytes | None,
-               fut: asyncio.Future[Any]) -> None:
+               producer: AIOKafkaProducer, fut: asyncio.Future[Any]) -> None:
     """A record's delivery future resolved: acknowledge (or fail) its event."""
     if fut.cancelled():
         em._sender_failed(item, asyncio.CancelledError())
         return
     exc = fut.exception()
     if exc is not None:
+        if lasting_delivery_error(exc) and em._shared is not None:
+            em._shared.producer_failed(producer, exc)
         em._sender_failed(item, exc)
         return
     md = fut.result()

@@ -312,3 +312,43 @@ async def test_the_round_interval_grows_with_the_emitters_open_up_to_its_cap() -
         sender.leave(None)  # type: ignore[arg-type]
     assert sender._task is not None
     await asyncio.wait_for(sender._task, 5)  # no member left: its task ends
+
+
+async def test_a_shared_producer_that_can_no_longer_deliver_is_replaced_and_nothing_is_lost(
+        kafka_broker, unique_name, tmp_path, monkeypatch):
+    """RELIABILITY finding Y: an idempotent producer that lost a sequence has every later
+    batch of that partition refused (OutOfOrderSequenceNumber), and an emitter re-sent its
+    events through it for ever. The shared sender replaces it; every event arrives."""
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.errors import OutOfOrderSequenceNumber
+
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, partitions=3)
+    await create_topics(s)
+    ems = [await SandboxEmitter(f"sb-{i}", "task-a", settings=s).start() for i in range(4)]
+    broken = await get_producer(s.kafka)
+    builds = producer_mod.builds
+    real_send = AIOKafkaProducer.send
+
+    async def send(self: AIOKafkaProducer, *args, **kwargs):
+        if self is broken:
+            failed = asyncio.get_running_loop().create_future()
+            failed.set_exception(OutOfOrderSequenceNumber())
+            return failed
+        return await real_send(self, *args, **kwargs)
+
+    monkeypatch.setattr(AIOKafkaProducer, "send", send)
+    for em in ems:
+        await em.start_episode("e")
+        for i in range(5):
+            await em.tool_call("e", "t", {"i": i})
+        await em.end_episode("e")
+    assert all(await asyncio.gather(*(em.flush(30) for em in ems)))  # False before the fix
+    assert shared_sender().replacements == 1
+    assert producer_mod.builds == builds + 1
+    assert all(em._producer is not broken for em in ems)
+    total = 4 * 7
+    seen = await read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= total)
+    assert len({x.header["event_id"] for x in seen}) == total
+    assert check_streams(seen).problems() == []
+    for em in ems:
+        assert await em.close(10)

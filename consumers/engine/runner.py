@@ -58,6 +58,7 @@ from trajbus.bus.kafka import (
     broker_went_away,
     check_broker,
     connection_options,
+    lasting_delivery_error,
     retry_while_broker_restarts,
     sender_crash,
 )
@@ -183,18 +184,15 @@ class RestoreAborted(Exception):
 
 def _lasting_failure(deliveries: list[asyncio.Future[Any]]) -> BaseException | None:
     """Drop the settled deliveries from ``deliveries`` (reading their errors, which asyncio
-    would otherwise log one by one), and return the last error a retry cannot cure (not
-    ``retriable``, e.g. ``OutOfOrderSequenceNumber``: the producer fails every later send of
-    that partition too), if any."""
+    would otherwise log one by one), and return the last error a retry of the same producer
+    cannot cure (:func:`~trajbus.bus.kafka.lasting_delivery_error`), if any."""
     lasting: BaseException | None = None
     pending = []
     for fut in deliveries:
         if not fut.done():
             pending.append(fut)
         elif not fut.cancelled() and (exc := fut.exception()) is not None:
-            # a batch that timed out with the broker away is not lasting by itself (if it
-            # left a gap in the sequence, the errors of the next batches say so)
-            if not getattr(exc, "retriable", False) and not isinstance(exc, KafkaTimeoutError):
+            if lasting_delivery_error(exc):
                 lasting = exc
     deliveries[:] = pending
     return lasting
