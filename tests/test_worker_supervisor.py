@@ -191,3 +191,19 @@ def test_a_worker_that_hangs_while_stopping_exits_with_a_message_and_its_threads
     assert "trajbus: error: the worker did not stop within 0.5 s" in done.stderr
     assert "processor scheduler failed (KafkaError: boom)" in done.stderr
     assert 'File "<string>", line 4' in done.stderr  # where the main thread was
+
+
+async def test_a_stop_while_a_restart_waits_for_the_broker_ends_it_at_once() -> None:
+    """A restarted processor waits up to a minute for the broker; a SIGTERM meanwhile must not
+    wait that long (it would run into the hard exit, code 1, instead of a clean stop)."""
+    settings = settings_for("127.0.0.1:1", "no-broker")  # nothing listens there
+    runner = Runner(settings, ProcessorSpec(name="echo", input_topics=["x"],
+                                            factory=lambda: EchoCore("y")), "w0")
+    running = asyncio.create_task(runner.run(recovering=True))
+    await asyncio.sleep(1.0)
+    assert not running.done()  # still waiting for the broker
+    stopped_at = time.monotonic()
+    runner.stopping.set()
+    await asyncio.wait_for(running, timeout=5)
+    assert time.monotonic() - stopped_at < 2
+    assert not runner.started and runner._consumer is None

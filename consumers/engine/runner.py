@@ -597,51 +597,21 @@ class Runner:
         ``recovering`` run (the processor lost the broker while running: the supervisor starts
         it again) waits for the broker instead, up to ``TOPIC_SETUP_PATIENCE_S``: a restart
         of the broker takes longer than the fail-fast timeout."""
-        if recovering:
-            await retry_while_broker_restarts(
-                lambda: check_broker(self.settings.kafka),
-                transient=(BrokerUnavailableError, KafkaConnectionError),
-                patience_s=lambda: TOPIC_SETUP_PATIENCE_S, what=f"{self.spec.name}: restart")
-        else:
-            await check_broker(self.settings.kafka)
-        await self._prepare_topics(known_broker=recovering)
-        k = self.settings.kafka
-        producer_args = dict(  # for producer_options (with the connection's settings)
-            client_id=f"{self.group_id}-{self.worker_id}",
-            transactional_id=f"{self.group_id}.{self.worker_id}",
-            # outputs wrap inputs (dead letters, segments): allow the derived topics' size
-            max_request_size=max(k.max_request_size, self.topics.derived_max_bytes + 65536),
-            # A batch's records are all appended before the transaction commits, and the
-            # commit waits for them: lingering only delays every transaction.
-            linger_ms=0)
-        consumer_args = dict(  # with connection_options (TLS/SASL) at the call
-            group_id=self.group_id,
-            client_id=f"{self.group_id}-{self.worker_id}",
-            # Static membership (KIP-345): a worker SIGKILLed and restarted with the same
-            # --worker-id is given its partitions back at once, instead of waiting for its dead
-            # self's session to expire. A clean stop leaves explicitly (_leave_group).
-            group_instance_id=self.instance_id,
-            session_timeout_ms=k.session_timeout_ms,
-            heartbeat_interval_ms=k.heartbeat_interval_ms,  # how soon it sees a rebalance
-            isolation_level="read_committed",
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            max_poll_records=2000,
-            # partition p of every input topic to the same worker: a core sees all of an
-            # episode (events and trace chunks share partition p of two topics). aiokafka's
-            # default, round-robin, splits them across workers.
-            # A global processor (the scheduler): everything to one member, the others
-            # stand by (OneMemberAssignor). Range stays listed so that a group still holding
-            # workers of an older version agrees on it while they are replaced.
-            partition_assignment_strategy=((OneMemberAssignor, RangePartitionAssignor)
-                                           if self.spec.global_state
-                                           else (RangePartitionAssignor,)),
-            metadata_max_age_ms=5000,  # pattern subscriptions see new replay topics quickly
-            max_partition_fetch_bytes=k.max_request_size,
-            fetch_max_bytes=4 * k.max_request_size,
-            fetch_max_wait_ms=k.fetch_max_wait_ms,  # see KafkaSettings.fetch_max_wait_ms
-        )
-        await self._start_clients(producer_args, consumer_args)
+        # Start-up can wait long (a recovering run waits for the broker): a stop meanwhile
+        # ends it at once, with nothing started left behind.
+        start_up = asyncio.ensure_future(self._start_up(recovering))
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({start_up, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not start_up.done():
+                start_up.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await start_up
+        if start_up.cancelled():
+            return
+        start_up.result()
         assert self._producer is not None and self._consumer is not None
         self.started = True
         if self.spec.input_pattern:
@@ -705,6 +675,54 @@ class Runner:
             await self._close(self._producer, "producer")
             if clean:  # a crash stays a member: its restart takes the partitions back
                 await self._leave_group()
+
+    async def _start_up(self, recovering: bool) -> None:
+        """Check the broker, create the topics, start the clients (see :meth:`run`)."""
+        if recovering:
+            await retry_while_broker_restarts(
+                lambda: check_broker(self.settings.kafka),
+                transient=(BrokerUnavailableError, KafkaConnectionError),
+                patience_s=lambda: TOPIC_SETUP_PATIENCE_S, what=f"{self.spec.name}: restart")
+        else:
+            await check_broker(self.settings.kafka)
+        await self._prepare_topics(known_broker=recovering)
+        k = self.settings.kafka
+        producer_args = dict(  # for producer_options (with the connection's settings)
+            client_id=f"{self.group_id}-{self.worker_id}",
+            transactional_id=f"{self.group_id}.{self.worker_id}",
+            # outputs wrap inputs (dead letters, segments): allow the derived topics' size
+            max_request_size=max(k.max_request_size, self.topics.derived_max_bytes + 65536),
+            # A batch's records are all appended before the transaction commits, and the
+            # commit waits for them: lingering only delays every transaction.
+            linger_ms=0)
+        consumer_args = dict(  # with connection_options (TLS/SASL) at the call
+            group_id=self.group_id,
+            client_id=f"{self.group_id}-{self.worker_id}",
+            # Static membership (KIP-345): a worker SIGKILLed and restarted with the same
+            # --worker-id is given its partitions back at once, instead of waiting for its dead
+            # self's session to expire. A clean stop leaves explicitly (_leave_group).
+            group_instance_id=self.instance_id,
+            session_timeout_ms=k.session_timeout_ms,
+            heartbeat_interval_ms=k.heartbeat_interval_ms,  # how soon it sees a rebalance
+            isolation_level="read_committed",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            max_poll_records=2000,
+            # partition p of every input topic to the same worker: a core sees all of an
+            # episode (events and trace chunks share partition p of two topics). aiokafka's
+            # default, round-robin, splits them across workers.
+            # A global processor (the scheduler): everything to one member, the others
+            # stand by (OneMemberAssignor). Range stays listed so that a group still holding
+            # workers of an older version agrees on it while they are replaced.
+            partition_assignment_strategy=((OneMemberAssignor, RangePartitionAssignor)
+                                           if self.spec.global_state
+                                           else (RangePartitionAssignor,)),
+            metadata_max_age_ms=5000,  # pattern subscriptions see new replay topics quickly
+            max_partition_fetch_bytes=k.max_request_size,
+            fetch_max_bytes=4 * k.max_request_size,
+            fetch_max_wait_ms=k.fetch_max_wait_ms,  # see KafkaSettings.fetch_max_wait_ms
+        )
+        await self._start_clients(producer_args, consumer_args)
 
     async def _close(self, client: AIOKafkaConsumer | AIOKafkaProducer, what: str) -> None:
         """Close a client within ``CLIENT_CLOSE_S``: a close that hangs (a client whose
