@@ -101,6 +101,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(2)
     if args.command in QUIET_CLIENT_LOG and not args.debug:
         logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    elif not args.debug and logging.lastResort is not None:
+        # Long-running commands without a log set-up of their own (archive run, simulate,
+        # tail-traces) print the client's warnings through Python's last-resort handler:
+        # during a broker outage, hundreds a second. Each kind once per 30 s (bus/logs.py).
+        from trajbus.bus.logs import RepeatLimiter
+
+        if not any(isinstance(f, RepeatLimiter) for f in logging.lastResort.filters):
+            logging.lastResort.addFilter(RepeatLimiter())
     try:
         code = func(args)
         sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
