@@ -193,13 +193,18 @@ def broker_went_away(exc: BaseException) -> bool:
         CoordinatorNotAvailableError,
         KafkaConnectionError,
         KafkaTimeoutError,
+        LeaderNotAvailableError,
         NodeNotReadyError,
         NotCoordinatorError,
+        NotLeaderForPartitionError,
         RequestTimedOutError,
     )
 
+    # A partition without a leader is a broker that is away too: aiokafka fails a batch whose
+    # partition had no leader for longer than its request timeout (a long restart).
     away = (KafkaConnectionError, KafkaTimeoutError, NodeNotReadyError, RequestTimedOutError,
-            CoordinatorNotAvailableError, NotCoordinatorError, ConnectionError, TimeoutError)
+            CoordinatorNotAvailableError, NotCoordinatorError, LeaderNotAvailableError,
+            NotLeaderForPartitionError, ConnectionError, TimeoutError)
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, away):

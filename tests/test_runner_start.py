@@ -19,6 +19,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
     KafkaConnectionError,
     KafkaError,
+    LeaderNotAvailableError,
     NodeNotReadyError,
     TransactionalIdAuthorizationFailed,
 )
@@ -47,6 +48,7 @@ def test_errors_of_a_broker_that_went_away_are_told_from_other_errors() -> None:
     assert broker_went_away(_lost_connection())
     assert broker_went_away(KafkaConnectionError("Unable to bootstrap"))
     assert broker_went_away(NodeNotReadyError("node 1"))
+    assert broker_went_away(LeaderNotAvailableError())  # a batch expired during a long restart
     assert not broker_went_away(KafkaError("something else"))
     assert not broker_went_away(TransactionalIdAuthorizationFailed())
     assert not broker_went_away(ValueError("bad setting"))
