@@ -137,9 +137,6 @@ def _worker(args: argparse.Namespace) -> int:
         from trajbus.bus.logs import limit_client_log
 
         limit_client_log()
-        # -v is the worker's progress; the client's INFO lines (coordinator look-ups, group
-        # joins) are for --debug
-        logging.getLogger("aiokafka").setLevel(logging.WARNING)
     if args.engine not in (None, "aiokafka"):
         print(f"error: --engine {args.engine} is no longer available: the faust engine was "
               "removed because it could lose events after a SIGKILL (README, 'Design'). "
