@@ -15,8 +15,9 @@ CLIENT_LOGGERS = ("aiokafka", "kafka")
 
 
 class RepeatLimiter(logging.Filter):
-    """Passes a record of the ``loggers`` once per ``interval_s`` per (logger, message format);
-    the next one passed says how many were held back. Other records pass untouched."""
+    """Passes a warning or error of the ``loggers`` once per ``interval_s`` per (logger,
+    message format); the next one passed says how many were held back. Other records (INFO and
+    below, other loggers) pass untouched."""
 
     def __init__(self, interval_s: float = 30.0, loggers: tuple[str, ...] = CLIENT_LOGGERS
                  ) -> None:
@@ -26,7 +27,9 @@ class RepeatLimiter(logging.Filter):
         self._seen: dict[tuple[str, str], tuple[float, int]] = {}  # -> (last passed, held)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not record.name.startswith(self.loggers):
+        # INFO lines (shown with -v: group joins, assignments) are progress, not a flood;
+        # tools parse them (bench_rebalance, bench_recovery)
+        if record.levelno < logging.WARNING or not record.name.startswith(self.loggers):
             return True
         verdict: bool | None = getattr(record, "_trajbus_repeat_verdict", None)
         if verdict is None:  # the same verdict for every handler the record reaches

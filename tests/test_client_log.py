@@ -48,6 +48,8 @@ def test_a_flood_of_client_errors_is_summarised_and_trajbus_lines_all_pass(clock
             clock[0] += 0.01  # 100 a second for 5 s
         ours.warning("reorder lost the broker; restarting it")
         ours.warning("reorder lost the broker; restarting it")
+        for group in ("g1", "g2"):  # progress (-v), parsed by the benchmarks: every line
+            conn.info("Setting newly assigned partitions %s for group %s", "{0}", group)
         clock[0] += 30
         conn.error("Unable connect to node with id %s: %s", 1, "refused again")
     finally:
@@ -59,6 +61,8 @@ def test_a_flood_of_client_errors_is_summarised_and_trajbus_lines_all_pass(clock
             "aiokafka.conn.test-limiter: Unable connect to node with id 1: refused 0",
             "trajbus.runner.test-limiter: reorder lost the broker; restarting it",
             "trajbus.runner.test-limiter: reorder lost the broker; restarting it",
+            "aiokafka.conn.test-limiter: Setting newly assigned partitions {0} for group g1",
+            "aiokafka.conn.test-limiter: Setting newly assigned partitions {0} for group g2",
             "aiokafka.conn.test-limiter: Unable connect to node with id 1: refused again "
             "[and 499 more like this in the last 35 s]",
         ]
