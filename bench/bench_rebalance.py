@@ -338,7 +338,11 @@ def one_run(a: argparse.Namespace, bootstrap: str, label: str, ref: str, extra: 
     env = dict(os.environ)
     env.update({"TRAJBUS_KAFKA__BOOTSTRAP_SERVERS": bootstrap, "TRAJBUS_TOPICS__PREFIX": prefix,
                 "TRAJBUS_TOPICS__PARTITIONS": str(a.partitions),
-                "TRAJBUS_STATE_DIR": str(work / f"state-{prefix}")})
+                "TRAJBUS_STATE_DIR": str(work / f"state-{prefix}"),
+                # every client line: the log's rebalance marks include a repeated warning
+                # ("Heartbeat failed ... because it is rebalancing"), which the worker's
+                # client-log limiter otherwise passes once per 30 s
+                "TRAJBUS_DEBUG": "1"})
     if tree is not None:  # the exported ref's package comes first on the path
         env["PYTHONPATH"] = str(tree)
     env.update(extra)
