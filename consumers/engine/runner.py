@@ -289,8 +289,9 @@ class Runner:
         # Partitions newly assigned beside kept ones are restored by this task while the kept
         # ones keep flowing (they are paused until their cores are built).
         self._restoring: asyncio.Task[None] | None = None
-        # Set to call off a restore running in its thread (cancelling the task awaiting the
-        # thread does not stop the thread, and a process waits for its threads at exit).
+        # Set to call off the restores running in their threads (cancelling the task awaiting
+        # a thread does not stop the thread, and a process waits for its threads at exit);
+        # each restore takes the event current at its start (cancel_restore replaces it).
         self._abort_restore = threading.Event()
         self.stopping = asyncio.Event()
         self.idle_batches = 0
@@ -372,11 +373,12 @@ class Runner:
         """Stop a restore still running (its partitions are being revoked)."""
         task, self._restoring = self._restoring, None
         if task is not None and not task.done():
+            # the thread ends at its next check; a later restore gets an event of its own
             self._abort_restore.set()
+            self._abort_restore = threading.Event()
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, RestoreAborted):
                 await task
-            self._abort_restore.clear()
 
     def _check_restore(self) -> bool:
         """True while a restore runs; raises if one failed (the worker stops, as after any
@@ -426,13 +428,15 @@ class Runner:
         if not slots:
             return
         started = time.monotonic()
-        fresh, restored = await asyncio.to_thread(self._restore_in_thread, slots)
+        fresh, restored = await asyncio.to_thread(self._restore_in_thread, slots,
+                                                  self._abort_restore)
         self.cores.update(fresh)
         log.info("%s: restored %d state records for partitions %s in %.2fs",
                  self.spec.name, restored, slots, time.monotonic() - started)
 
-    def _restore_in_thread(self, slots: list[int]) -> tuple[dict[int, Processor], int]:
-        latest, restored = asyncio.run(self._read_changelog_retrying(slots))
+    def _restore_in_thread(self, slots: list[int], abort: threading.Event
+                           ) -> tuple[dict[int, Processor], int]:
+        latest, restored = asyncio.run(self._read_changelog_retrying(slots, abort))
         gc.collect()  # the fetched records: gone before the cores are built
         fresh = {s: self.spec.factory() for s in slots}
         for slot in slots:
@@ -444,18 +448,18 @@ class Runner:
         _return_freed_memory()
         return fresh, restored
 
-    async def _read_changelog_retrying(self, slots: list[int]
+    async def _read_changelog_retrying(self, slots: list[int], abort: threading.Event
                                        ) -> tuple[dict[int, dict[str, bytes | None]], int]:
         """:meth:`_read_changelog`, read again from the start if the broker went away
         meanwhile (a restart during a restore stopped a worker in the soak of 2026-12-02),
         for up to ``TOPIC_SETUP_PATIENCE_S``."""
         async def attempt() -> tuple[dict[int, dict[str, bytes | None]], int]:
             try:
-                return await self._read_changelog(slots)
+                return await self._read_changelog(slots, abort)
             except asyncio.CancelledError as exc:
                 # Nothing cancels this thread's loop but aiokafka itself (a fetch task
                 # cancelled as its connection closed): an interruption, not a request to stop
-                if self._abort_restore.is_set():
+                if abort.is_set():
                     raise RestoreAborted(f"{self.spec.name}: restore called off") from exc
                 raise RestoreInterrupted(f"{self.spec.name}: restore interrupted "
                                          "(the broker connection closed)") from exc
@@ -467,7 +471,7 @@ class Runner:
 
         return await retry_while_broker_restarts(
             attempt, transient=(KafkaConnectionError,),
-            patience_s=lambda: 0.0 if self._abort_restore.is_set() else TOPIC_SETUP_PATIENCE_S,
+            patience_s=lambda: 0.0 if abort.is_set() else TOPIC_SETUP_PATIENCE_S,
             what=f"{self.spec.name}: restore")
 
     async def _start_restore_consumer(self) -> AIOKafkaConsumer:
@@ -494,7 +498,7 @@ class Runner:
             start, transient=(KafkaConnectionError,),
             patience_s=lambda: TOPIC_SETUP_PATIENCE_S, what=f"{self.spec.name}: restore")
 
-    async def _read_changelog(self, slots: list[int]
+    async def _read_changelog(self, slots: list[int], abort: threading.Event
                               ) -> tuple[dict[int, dict[str, bytes | None]], int]:
         """The latest value of each key of the slots' changelog partitions, and how many
         records were read."""
@@ -525,7 +529,7 @@ class Runner:
             waited_since = answered_at = time.monotonic()
             batch: dict[TopicPartition, list[Any]] = {}
             while pending:
-                if self._abort_restore.is_set():
+                if abort.is_set():
                     raise RestoreAborted(f"{self.spec.name}: restore called off")
                 batch = await consumer.getmany(*pending, timeout_ms=100)
                 if batch:
