@@ -807,7 +807,8 @@ class Runner:
                     log.warning("%s: no record (not even a tick) from %s for %.0f s; ordering "
                                 "without waiting for them (a broker restart or a stopped "
                                 "ticker; it resumes by itself when they speak again)",
-                                self.spec.name, ", ".join(newly), _MAX_IDLE_S)
+                                self.spec.name, ", ".join(newly),
+                                max(now - self._empty_since[tp] for tp in silent))
             heads = [tp for tp, q in self._pending.items() if q]
             if not heads:
                 break

@@ -105,9 +105,6 @@ class Worker:
                 await runner.run(until_idle=until_idle, recovering=bool(recent))
                 return
             except Exception as exc:
-                # the user sees one line (trajbus.cli); with -v the log keeps where it came from
-                log.info("%s stopped: %s: %s", spec.name, type(exc).__name__, exc,
-                         exc_info=True)
                 now = time.monotonic()
                 while recent and now - recent[0] > RESTART_WINDOW_S:
                     recent.popleft()
@@ -115,7 +112,13 @@ class Worker:
                 # processor that was running, or already recovering, is started again.
                 if (self._stop_reason is not None or not broker_went_away(exc)
                         or not (runner.started or recent) or len(recent) >= RESTARTS_MAX):
+                    # the user sees one line (trajbus.cli); with -v the log keeps where it
+                    # came from
+                    log.info("%s stopped: %s: %s", spec.name, type(exc).__name__, exc,
+                             exc_info=True)
                     raise
+                # the normal way through a broker restart: a traceback only with --debug
+                log.debug("%s lost the broker", spec.name, exc_info=True)
                 recent.append(now)
                 self.restarts[spec.name] += 1
                 metrics.PROCESSOR_RESTARTS.labels(spec.name).inc()
