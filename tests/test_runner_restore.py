@@ -6,6 +6,7 @@ episode, a forgotten sandbox)."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from aiokafka import TopicPartition
@@ -52,7 +53,9 @@ class Recording:
             self.state[key] = blob
 
 
-async def test_restore_applies_deletes_in_log_order(kafka_broker, unique_name) -> None:
+async def _runner_with_changelog(kafka_broker: Any, unique_name: str,
+                                 records: list[tuple[str, bytes | None]]) -> Runner:
+    """A runner of a Recording core whose changelog (one partition) holds ``records``."""
     settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=1)
     spec = ProcessorSpec(name="rec", input_topics=[f"{unique_name}.in"], factory=Recording)
     runner = Runner(settings, spec, "w0")
@@ -60,12 +63,18 @@ async def test_restore_applies_deletes_in_log_order(kafka_broker, unique_name) -
                                              retention_ms=-1, compacted=True)])
     producer = await get_producer(settings.kafka)
     try:
-        for key, value in [("gone", b"v1"), ("kept", b"k1"), ("gone", None), ("kept", b"k2"),
-                           ("back", None), ("back", b"b1")]:
+        for key, value in records:
             fut = await producer.send(runner.changelog, value, key=key.encode(), partition=0)
             await fut
     finally:
         await close_producer()
+    return runner
+
+
+async def test_restore_applies_deletes_in_log_order(kafka_broker, unique_name) -> None:
+    runner = await _runner_with_changelog(kafka_broker, unique_name, [
+        ("gone", b"v1"), ("kept", b"k1"), ("gone", None), ("kept", b"k2"), ("back", None),
+        ("back", b"b1")])
     await runner.restore([TopicPartition(f"{unique_name}.in", 0)])
     core = runner.cores[0]
     assert isinstance(core, Recording)
@@ -218,18 +227,8 @@ async def test_a_restore_that_loses_its_broker_connection_reads_again_and_comple
     it is read again once the broker answers."""
     from aiokafka import AIOKafkaConsumer
 
-    settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=1)
-    spec = ProcessorSpec(name="rec", input_topics=[f"{unique_name}.in"], factory=Recording)
-    runner = Runner(settings, spec, "w0")
-    await ensure_topics(settings, [TopicSpec(runner.changelog, 1, "test", "key",
-                                             retention_ms=-1, compacted=True)])
-    producer = await get_producer(settings.kafka)
-    try:
-        for i in range(50):
-            await (await producer.send(runner.changelog, f"v{i}".encode(),
-                                       key=f"k{i % 7}".encode(), partition=0))
-    finally:
-        await close_producer()
+    runner = await _runner_with_changelog(kafka_broker, unique_name,
+                                          [(f"k{i % 7}", f"v{i}".encode()) for i in range(50)])
     interrupted = {"left": 1}
     real_getmany = AIOKafkaConsumer.getmany
 
@@ -252,11 +251,7 @@ async def test_a_restore_that_loses_its_broker_connection_reads_again_and_comple
 async def test_a_restore_called_off_ends_its_thread(kafka_broker, unique_name) -> None:
     """A restore runs in a thread; cancelling the task that awaits it does not stop the
     thread, and a process waits for its threads at exit. Calling it off ends the thread."""
-    settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=1)
-    spec = ProcessorSpec(name="rec", input_topics=[f"{unique_name}.in"], factory=Recording)
-    runner = Runner(settings, spec, "w0")
-    await ensure_topics(settings, [TopicSpec(runner.changelog, 1, "test", "key",
-                                             retention_ms=-1, compacted=True)])
+    runner = await _runner_with_changelog(kafka_broker, unique_name, [("k", b"v")])
     runner._abort_restore.set()
     with pytest.raises(RestoreAborted):
         await asyncio.wait_for(runner.restore([TopicPartition(f"{unique_name}.in", 0)]), 30)
