@@ -104,8 +104,8 @@ class SharedSender:
         self.rounds = 0  # for tests and metrics
         self.sync_rounds = 0
         self.syncs = 0
-        # The shared producer once replaced (its deliveries failed for good), and the one it
-        # replaced: emitters still holding the old one are moved to the new one as they send.
+        # The last shared producer found broken (its deliveries failed for good) and its
+        # replacement: emitters still holding an older one move to it as they send.
         self._broken: AIOKafkaProducer | None = None
         self._replacement: AIOKafkaProducer | None = None
         self.replacements = 0
@@ -179,7 +179,7 @@ class SharedSender:
     def producer_failed(self, producer: AIOKafkaProducer, exc: BaseException) -> None:
         """A delivery through ``producer`` failed for good (:func:`lasting_delivery_error`):
         the next round replaces it before sending."""
-        if producer is not self._replacement and producer is not self._broken:
+        if producer is not self._broken:  # not a late failure of the one being replaced
             log.warning("the shared Kafka producer can no longer deliver (%s: %s); replacing "
                         "it (its undelivered events are sent again)", type(exc).__name__, exc)
             self._broken, self._replacement = producer, None
@@ -197,7 +197,8 @@ class SharedSender:
         return True
 
     def _producer_of(self, em: SandboxEmitter) -> AIOKafkaProducer | None:
-        if self._replacement is not None and em._producer is self._broken:
+        # the emitters of a process share one producer: any other they hold was replaced
+        if self._replacement is not None and em._producer is not self._replacement:
             em._producer = self._replacement
         return em._producer
 

@@ -969,9 +969,12 @@ class Runner:
                 raise
             return producer, targets
 
-        producer, targets = await retry_while_broker_restarts(
-            start, transient=(KafkaConnectionError, KafkaTimeoutError),
-            patience_s=lambda: TOPIC_SETUP_PATIENCE_S, what=f"{self.spec.name}: ticker")
+        async def started() -> tuple[AIOKafkaProducer, list[tuple[str, int]]]:
+            return await retry_while_broker_restarts(
+                start, transient=(KafkaConnectionError, KafkaTimeoutError),
+                patience_s=lambda: TOPIC_SETUP_PATIENCE_S, what=f"{self.spec.name}: ticker")
+
+        producer, targets = await started()
         deliveries: list[asyncio.Future[Any]] = []
         try:
             seq = 0
@@ -988,10 +991,7 @@ class Runner:
                                 broken)
                     await self._close(producer, "ticker producer")
                     deliveries = []
-                    producer, targets = await retry_while_broker_restarts(
-                        start, transient=(KafkaConnectionError, KafkaTimeoutError),
-                        patience_s=lambda: TOPIC_SETUP_PATIENCE_S,
-                        what=f"{self.spec.name}: ticker")
+                    producer, targets = await started()
                 now = int(time.time() * 1000)
                 try:
                     for topic, p in targets:
