@@ -90,6 +90,14 @@ class ProducerSideSettings(BaseModel):
     # less CPU than one per 10 ms (bench/ANALYSIS.md "Many emitters"), for up to 40 ms more
     # before an event is sent. Below 100 open emitters the interval is send_round_ms.
     send_round_max_ms: float = 50.0
+    # How a round makes its emitters' journals durable before sending (durability="fsync").
+    # "filesystem": one syncfs(2) per filesystem for all the round's journals on it (a group
+    # commit: at 1,000 emitters a round of ~50 journals costs one call, not 50 fdatasyncs;
+    # Linux only, elsewhere per file). It also writes back other dirty data of that
+    # filesystem, so a call slower than journal_syncfs_slow_ms turns that filesystem to
+    # per-file syncs for a minute (logged). "file": one fdatasync per journal.
+    journal_sync: Literal["filesystem", "file"] = "filesystem"
+    journal_syncfs_slow_ms: float = 250.0
     redact_env: list[str] = Field(
         default_factory=lambda: [
             "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "OPENAI_API_KEY", "ANTHROPIC_API_KEY",

@@ -13,10 +13,16 @@ a second (issue 18, item 4). Here the emitters of one loop hand their ready queu
    at most that much more send latency;
 1. take every emitter that became ready since the last round, pop each one's pending events
    (in record-id, i.e. seq, order; at most ``SEND_BATCH`` each);
-2. one ``fdatasync`` round, in one thread hand-off, over the journals of those emitters with
+2. one sync round, in one thread hand-off, over the journals of those emitters with
    ``durability="fsync"`` that were written since their last sync: the fd duplicated *after*
    the events were appended, so every one of them is on disk before it is sent ("durable
-   before sent", as before);
+   before sent", as before). With ``journal_sync="filesystem"`` (default) the journals of a
+   round that share a filesystem are made durable by one ``syncfs(2)`` -- a group commit
+   across sandboxes, without giving up the per-sandbox journal directory (each sandbox's
+   unit of locking, recovery and migration). A lone journal, or ``journal_sync="file"``,
+   gets its own ``fdatasync``. A filesystem whose ``syncfs`` took longer than
+   ``journal_syncfs_slow_ms`` (it also writes back other processes' dirty data) gets
+   per-file syncs for ``SYNCFS_COOLDOWN_S``, then is tried again;
 3. send them through the process's shared producer, emitter by emitter, each emitter's events
    in seq order (one ``send()`` each: the producer batches them per partition, over rounds,
    for ``linger_ms``); acks come back through each record's future.
@@ -38,12 +44,14 @@ segment is due to roll: the emitter asks the sender for that turn).
 
 Failures stay per emitter: a failed journal sync stops sending *that* emitter's events (its
 journal may have lost pages; they stay journaled and are re-sent by the next emitter on the
-directory) and is reported in its ``last_error``; an event the producer refuses goes back to
-its emitter's queue with the rest of that emitter's batch and is retried after a backoff
-without holding up the others; a failed delivery is re-queued at once. A delivery that failed
-for good (an idempotent producer that lost a sequence after a long broker outage has every
-later batch of that partition refused: RELIABILITY finding Y) makes the next round replace the
-process's shared producer first; the events it failed are sent again through the new one.
+directory) and is reported in its ``last_error`` (a failed ``syncfs`` cannot say whose pages
+were lost, so it counts as failed for every journal it covered); an event the producer
+refuses goes back to its emitter's queue with the rest of that emitter's batch and is retried
+after a backoff without holding up the others; a failed delivery is re-queued at once. A
+delivery that failed for good (an idempotent producer that lost a sequence after a long broker
+outage has every later batch of that partition refused: RELIABILITY finding Y) makes the next
+round replace the process's shared producer first; the events it failed are sent again
+through the new one.
 
 The sender talks to its emitters through a small protocol (the ``_sender_*`` methods of
 :class:`~trajbus.producers.emitter.SandboxEmitter`): take a batch, the journal fd to sync, put
@@ -56,6 +64,7 @@ import asyncio
 import functools
 import logging
 import os
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -65,6 +74,7 @@ from aiokafka import AIOKafkaProducer
 from trajbus.bus.kafka import lasting_delivery_error
 from trajbus.bus.producer import replace_producer
 from trajbus.bus.settings import KafkaSettings
+from trajbus.producers.journal import syncfs
 
 if TYPE_CHECKING:
     from trajbus.producers.emitter import SandboxEmitter, _Item
@@ -75,25 +85,22 @@ SEND_BATCH = 2000  # events of one emitter per round
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
 
+SYNCFS_COOLDOWN_S = 60.0  # per-file syncs on a filesystem whose syncfs was slow, this long
+
 SyncFn = Callable[[int], None]
-
-
-def _sync_all(sync_fn: SyncFn, fds: list[int]) -> list[OSError | None]:
-    out: list[OSError | None] = []
-    for fd in fds:
-        try:
-            sync_fn(fd)
-            out.append(None)
-        except OSError as exc:
-            out.append(exc)
-    return out
 
 
 class SharedSender:
     """Sends for every emitter of one event loop; see the module docstring."""
 
-    def __init__(self, sync_fn: SyncFn = os.fdatasync) -> None:
+    def __init__(self, sync_fn: SyncFn = os.fdatasync,
+                 syncfs_fn: SyncFn | None = syncfs) -> None:
         self._sync_fn = sync_fn
+        self._syncfs_fn = syncfs_fn  # None: per-file syncs only
+        self.syncfs_slow_s = 0.25  # the smallest journal_syncfs_slow_ms of the members, in s
+        self._syncfs_off_until: dict[int, float] = {}  # st_dev -> monotonic time
+        self.syncfs_calls = 0
+        self.syncfs_slow = 0  # syncfs calls that turned their filesystem to per-file syncs
         self._ready: dict[SandboxEmitter, None] = {}  # insertion-ordered set
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -115,11 +122,14 @@ class SharedSender:
         self._members += 1
         r = max(0.0, em.settings.producer.send_round_ms / 1000)
         r_max = max(r, em.settings.producer.send_round_max_ms / 1000)
+        slow = em.settings.producer.journal_syncfs_slow_ms / 1000
         if self._task is None or self._task.done():
+            self.syncfs_slow_s = slow
             self.round_s, self.round_max_s = r, r_max
             self._task = asyncio.get_running_loop().create_task(
                 self._run(), name="trajbus-emitter-sender")
         else:
+            self.syncfs_slow_s = min(self.syncfs_slow_s, slow)
             self.round_s = r if self.round_s is None else min(self.round_s, r)
             self.round_max_s = r_max if self.round_max_s is None else min(self.round_max_s, r_max)
 
@@ -210,6 +220,7 @@ class SharedSender:
                 return
         batches: list[tuple[SandboxEmitter, list[_Item]]] = []
         syncing: list[tuple[SandboxEmitter, int]] = []
+        whole_fs: list[bool] = []  # per syncing journal: may a syncfs cover it
         # -- no await: a batch is taken and its journal's fd duplicated in one step -----------
         now = asyncio.get_running_loop().time()
         for em in ready:
@@ -225,11 +236,12 @@ class SharedSender:
                 continue
             if fd is not None:
                 syncing.append((em, fd))
+                whole_fs.append(em.settings.producer.journal_sync == "filesystem")
             batches.append((em, batch))
         if syncing:
             fds = [fd for _, fd in syncing]
             try:
-                errors = await asyncio.to_thread(_sync_all, self._sync_fn, fds)
+                errors = await asyncio.to_thread(self._sync_journals, fds, whole_fs)
             except Exception as exc:  # no sync happened (e.g. the executor is shut down)
                 for em, batch in batches:
                     em._sender_retry(batch, f"journal sync round: {type(exc).__name__}: {exc}",
@@ -255,6 +267,56 @@ class SharedSender:
                 batches = kept
         if batches:
             await self._send(batches)
+
+    def _sync_journals(self, fds: list[int], whole_fs: list[bool]) -> list[OSError | None]:
+        """Make the journals behind ``fds`` durable (in a worker thread; one round at a time).
+        Returns each one's error, or None. Journals that may share a ``syncfs`` are grouped by
+        filesystem; a group of one, or a filesystem cooling down from a slow ``syncfs``, gets
+        ``fdatasync``s."""
+        errors: list[OSError | None] = [None] * len(fds)
+        groups: dict[int, list[int]] = {}  # st_dev -> indexes into fds
+        now = time.monotonic()
+        per_file: list[int] = []
+        for i, fd in enumerate(fds):
+            if not whole_fs[i] or self._syncfs_fn is None:
+                per_file.append(i)
+                continue
+            try:
+                dev = os.fstat(fd).st_dev
+            except OSError as exc:
+                errors[i] = exc
+                continue
+            if self._syncfs_off_until.get(dev, 0.0) > now:
+                per_file.append(i)
+            else:
+                groups.setdefault(dev, []).append(i)
+        for dev, members in groups.items():
+            if len(members) == 1 or self._syncfs_fn is None:
+                per_file.extend(members)
+                continue
+            start = time.monotonic()
+            try:
+                self._syncfs_fn(fds[members[0]])
+            except OSError as exc:
+                for i in members:
+                    errors[i] = exc
+            took = time.monotonic() - start
+            self.syncfs_calls += 1
+            if took > self.syncfs_slow_s:
+                self.syncfs_slow += 1
+                self._syncfs_off_until[dev] = time.monotonic() + SYNCFS_COOLDOWN_S
+                log.warning("a journal group sync (syncfs) took %.0f ms, over "
+                            "journal_syncfs_slow_ms (%.0f ms): the filesystem holds other "
+                            "dirty data. Syncing journals one by one on it for %.0f s (set "
+                            "TRAJBUS_PRODUCER__JOURNAL_SYNC=file to always do so, or give the "
+                            "journals a filesystem of their own)", took * 1000,
+                            self.syncfs_slow_s * 1000, SYNCFS_COOLDOWN_S)
+        for i in per_file:
+            try:
+                self._sync_fn(fds[i])
+            except OSError as exc:
+                errors[i] = exc
+        return errors
 
     async def _send(self, batches: list[tuple[SandboxEmitter, list[_Item]]]) -> None:
         for em, batch in batches:

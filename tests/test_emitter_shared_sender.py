@@ -21,6 +21,7 @@ from trajbus.bus.producer import close_producer, get_producer
 from trajbus.bus.topics import Topics
 from trajbus.producers.emitter import AckInfo, SandboxEmitter
 from trajbus.producers.journal import Journal
+from trajbus.producers.journal import syncfs as journal_syncfs
 from trajbus.producers.sender import shared_sender
 from trajbus.producers.testing import check_streams, create_topics, make_settings, read_topics
 
@@ -90,9 +91,12 @@ async def test_many_emitters_share_one_sender_exactly_once_in_seq_order(
     assert {x.header["event_id"]: (x.topic, x.partition, x.offset) for x in seen} == acks
 
 
+@pytest.mark.parametrize("journal_sync", ["file", "filesystem"])
 async def test_every_event_is_sent_after_a_sync_of_its_append(kafka_broker, unique_name,
-                                                             tmp_path, monkeypatch):
+                                                             tmp_path, monkeypatch,
+                                                             journal_sync):
     s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path)
+    s.producer.journal_sync = journal_sync
     await create_topics(s)
     sender = shared_sender()
     synced: dict[int, int] = defaultdict(int)  # inode -> file size when a sync started
@@ -102,7 +106,18 @@ async def test_every_event_is_sent_after_a_sync_of_its_append(kafka_broker, uniq
         os.fdatasync(fd)
         synced[st.st_ino] = max(synced[st.st_ino], st.st_size)
 
+    def sync_filesystem(fd: int) -> None:
+        # a syncfs makes every file of the filesystem durable as of its start: every journal
+        sizes = {st.st_ino: st.st_size
+                 for st in (p.stat() for p in tmp_path.rglob("seg-*.log"))}
+        assert journal_syncfs is not None
+        journal_syncfs(fd)
+        for ino, size in sizes.items():
+            synced[ino] = max(synced[ino], size)
+
     monkeypatch.setattr(sender, "_sync_fn", sync)
+    monkeypatch.setattr(sender, "_syncfs_fn", sync_filesystem)
+    syncfs_before = sender.syncfs_calls
     producer = await get_producer(s.kafka)
     appended: dict[bytes, list[tuple[int, int]]] = defaultdict(list)  # key -> (inode, size)
     sends: dict[bytes, int] = defaultdict(int)
@@ -137,6 +152,10 @@ async def test_every_event_is_sent_after_a_sync_of_its_append(kafka_broker, uniq
     assert all(await asyncio.gather(*(em.flush(60) for em in ems)))
     assert late == []
     assert sum(sends.values()) == 250
+    if journal_sync == "filesystem":  # rounds of several journals shared a syncfs
+        assert sender.syncfs_calls > syncfs_before
+    else:
+        assert sender.syncfs_calls == syncfs_before
     for em in ems:
         await em.close(10)
 
@@ -157,6 +176,7 @@ async def test_a_failing_journal_sync_stops_only_its_emitter(kafka_broker, uniqu
         os.fdatasync(fd)
 
     monkeypatch.setattr(sender, "_sync_fn", sync)
+    monkeypatch.setattr(sender, "_syncfs_fn", None)  # per file: the bad one fails alone
     for em in [bad, *good]:
         await em.start()
     for _ in range(10):
@@ -294,7 +314,7 @@ async def test_the_round_interval_grows_with_the_emitters_open_up_to_its_cap() -
 
     def member(round_ms: float, max_ms: float) -> object:
         return SimpleNamespace(settings=SimpleNamespace(producer=SimpleNamespace(
-            send_round_ms=round_ms, send_round_max_ms=max_ms)))
+            send_round_ms=round_ms, send_round_max_ms=max_ms, journal_syncfs_slow_ms=250.0)))
 
     sender = SharedSender()
     intervals = {}
