@@ -130,7 +130,9 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
     shared = getattr(emitter_mod, "shared_sender", None)  # None: a commit before the sender
     if shared is not None:
         sh = shared()
-        sender = {"rounds": sh.rounds, "sync_rounds": sh.sync_rounds, "syncs": sh.syncs}
+        sender = {"rounds": sh.rounds, "sync_rounds": sh.sync_rounds, "syncs": sh.syncs,
+                  "syncfs_calls": getattr(sh, "syncfs_calls", None),  # None: before d8dc39b
+                  "syncfs_slow": getattr(sh, "syncfs_slow", None)}
     jb = _journal_bytes(state)  # before close: what a running node holds
     ok = (a.mode == "emit" and all(await asyncio.gather(*(em.flush(60) for em in ems))))
     for em in ems:
