@@ -95,7 +95,8 @@ class ProducerSideSettings(BaseModel):
     # commit: at 1,000 emitters a round of ~50 journals costs one call, not 50 fdatasyncs;
     # Linux only, elsewhere per file). It also writes back other dirty data of that
     # filesystem, so a call slower than journal_syncfs_slow_ms turns that filesystem to
-    # per-file syncs for a minute (logged). "file": one fdatasync per journal.
+    # per-file syncs for a minute, doubling while it stays slow (logged). "file": one
+    # fdatasync per journal.
     journal_sync: Literal["filesystem", "file"] = "filesystem"
     journal_syncfs_slow_ms: float = 250.0
     redact_env: list[str] = Field(

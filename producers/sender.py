@@ -22,7 +22,8 @@ a second (issue 18, item 4). Here the emitters of one loop hand their ready queu
    unit of locking, recovery and migration). A lone journal, or ``journal_sync="file"``,
    gets its own ``fdatasync``. A filesystem whose ``syncfs`` took longer than
    ``journal_syncfs_slow_ms`` (it also writes back other processes' dirty data) gets
-   per-file syncs for ``SYNCFS_COOLDOWN_S``, then is tried again;
+   per-file syncs for ``SYNCFS_COOLDOWN_S`` (doubled for each slow try in a row, up to an
+   hour), then is tried again;
 3. send them through the process's shared producer, emitter by emitter, each emitter's events
    in seq order (one ``send()`` each: the producer batches them per partition, over rounds,
    for ``linger_ms``); acks come back through each record's future.
@@ -85,7 +86,10 @@ SEND_BATCH = 2000  # events of one emitter per round
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
 
-SYNCFS_COOLDOWN_S = 60.0  # per-file syncs on a filesystem whose syncfs was slow, this long
+# Per-file syncs on a filesystem whose syncfs was slow, this long; doubled for each slow try
+# in a row (a filesystem busy with other writers stays busy), up to SYNCFS_COOLDOWN_MAX_S.
+SYNCFS_COOLDOWN_S = 60.0
+SYNCFS_COOLDOWN_MAX_S = 3600.0
 
 SyncFn = Callable[[int], None]
 
@@ -99,6 +103,7 @@ class SharedSender:
         self._syncfs_fn = syncfs_fn  # None: per-file syncs only
         self.syncfs_slow_s = 0.25  # the smallest journal_syncfs_slow_ms of the members, in s
         self._syncfs_off_until: dict[int, float] = {}  # st_dev -> monotonic time
+        self._syncfs_cooldown: dict[int, float] = {}  # st_dev -> the next cool-down, in s
         self.syncfs_calls = 0
         self.syncfs_slow = 0  # syncfs calls that turned their filesystem to per-file syncs
         self._ready: dict[SandboxEmitter, None] = {}  # insertion-ordered set
@@ -302,15 +307,19 @@ class SharedSender:
                     errors[i] = exc
             took = time.monotonic() - start
             self.syncfs_calls += 1
-            if took > self.syncfs_slow_s:
-                self.syncfs_slow += 1
-                self._syncfs_off_until[dev] = time.monotonic() + SYNCFS_COOLDOWN_S
-                log.warning("a journal group sync (syncfs) took %.0f ms, over "
-                            "journal_syncfs_slow_ms (%.0f ms): the filesystem holds other "
-                            "dirty data. Syncing journals one by one on it for %.0f s (set "
-                            "TRAJBUS_PRODUCER__JOURNAL_SYNC=file to always do so, or give the "
-                            "journals a filesystem of their own)", took * 1000,
-                            self.syncfs_slow_s * 1000, SYNCFS_COOLDOWN_S)
+            if took <= self.syncfs_slow_s:
+                self._syncfs_cooldown.pop(dev, None)
+                continue
+            self.syncfs_slow += 1
+            cooldown = self._syncfs_cooldown.get(dev, SYNCFS_COOLDOWN_S)
+            self._syncfs_cooldown[dev] = min(cooldown * 2, SYNCFS_COOLDOWN_MAX_S)
+            self._syncfs_off_until[dev] = time.monotonic() + cooldown
+            log.warning("a journal group sync (syncfs) took %.0f ms, over "
+                        "journal_syncfs_slow_ms (%.0f ms): the filesystem holds other dirty "
+                        "data. Syncing journals one by one on it for %.0f s (set "
+                        "TRAJBUS_PRODUCER__JOURNAL_SYNC=file to always do so, or give the "
+                        "journals a filesystem of their own)", took * 1000,
+                        self.syncfs_slow_s * 1000, cooldown)
         for i in per_file:
             try:
                 self._sync_fn(fds[i])

@@ -6,7 +6,8 @@ journal, or one whose emitter asked for ``journal_sync="file"``, gets its own ``
 failed ``syncfs`` counts as failed for every journal it covered (it cannot say whose pages were
 lost); a ``syncfs`` slower than ``journal_syncfs_slow_ms`` (other dirty data on the filesystem)
 turns that filesystem to per-file syncs for a cool-down, with a warning, then it is tried
-again. The emitter-level guarantee ("durable before sent") is checked against a broker in
+again (each slow try in a row doubles the cool-down, up to an hour). The emitter-level
+guarantee ("durable before sent") is checked against a broker in
 ``test_emitter_shared_sender.py`` for both modes."""
 
 from __future__ import annotations
@@ -131,6 +132,25 @@ def test_a_slow_syncfs_turns_its_filesystem_to_per_file_syncs_for_a_while(calls,
     clock.now += 2
     assert s._sync_journals(journals, [True] * 6) == [None] * 6
     assert len(calls.syncfs) == 2 and len(calls.fdatasync) == 6
+
+
+def test_a_filesystem_that_stays_slow_is_tried_ever_less_often(calls, journals):
+    s = _sender(calls)
+    cooldowns = []
+    calls.syncfs_takes = s.syncfs_slow_s + 0.1
+    for _ in range(9):
+        before = len(calls.syncfs)
+        s._sync_journals(journals, [True] * 6)
+        assert len(calls.syncfs) == before + 1  # tried, slow again
+        cooldowns.append(round(s._syncfs_off_until[os.fstat(journals[0]).st_dev] - clock.now))
+        clock.now = s._syncfs_off_until[os.fstat(journals[0]).st_dev] + 0.001
+    assert cooldowns == [60, 120, 240, 480, 960, 1920, 3600, 3600, 3600]
+    # a fast one resets it
+    calls.syncfs_takes = 0.0
+    s._sync_journals(journals, [True] * 6)
+    calls.syncfs_takes = s.syncfs_slow_s + 0.1
+    s._sync_journals(journals, [True] * 6)
+    assert round(s._syncfs_off_until[os.fstat(journals[0]).st_dev] - clock.now) == 60
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="syncfs(2) is Linux's")
