@@ -67,7 +67,9 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
     from trajbus.producers.emitter import SandboxEmitter
     from trajbus.producers.testing import create_topics, make_settings
 
-    extra = {} if a.send_round_ms is None else {"send_round_ms": a.send_round_ms}
+    extra: dict[str, Any] = {} if a.send_round_ms is None else {"send_round_ms": a.send_round_ms}
+    if a.journal_sync is not None:
+        extra["journal_sync"] = a.journal_sync
     settings = make_settings(a.bootstrap, a.prefix, partitions=a.partitions, **extra)
     await create_topics(settings, [Topics(settings).sandbox_events])
     state = Path(tempfile.mkdtemp(prefix="bench-many-emitters-"))
@@ -130,9 +132,12 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
     shared = getattr(emitter_mod, "shared_sender", None)  # None: a commit before the sender
     if shared is not None:
         sh = shared()
-        sender = {"rounds": sh.rounds, "sync_rounds": sh.sync_rounds, "syncs": sh.syncs,
-                  "syncfs_calls": getattr(sh, "syncfs_calls", None),  # None: before d8dc39b
-                  "syncfs_slow": getattr(sh, "syncfs_slow", None)}
+        sender = {"rounds": sh.rounds, "sync_rounds": sh.sync_rounds,
+                  "journals_synced": getattr(sh, "journals_synced", getattr(sh, "syncs", None)),
+                  # None: a commit before the journals' group commit
+                  "syncfs_calls": getattr(sh, "syncfs_calls", None),
+                  "fdatasyncs": getattr(sh, "fdatasyncs", None),
+                  "slow_sync_rounds": getattr(sh, "slow_sync_rounds", None)}
     jb = _journal_bytes(state)  # before close: what a running node holds
     ok = (a.mode == "emit" and all(await asyncio.gather(*(em.flush(60) for em in ems))))
     for em in ems:
@@ -148,7 +153,9 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
     return {
         "emitters": a.emitters, "rate_per_emitter": a.rate, "seconds": round(wall, 2),
         "mode": a.mode, "durability": a.durability,
-        "send_round_ms": settings.producer.send_round_ms, "core_share": round(cpu / wall, 4),
+        "send_round_ms": settings.producer.send_round_ms,
+        "journal_sync": getattr(settings.producer, "journal_sync", "file"),
+        "core_share": round(cpu / wall, 4),
         "user_share": round(user / wall, 4),
         "sys_share": round(system / wall, 4),
         # the event loop's thread; the rest is the thread pool's journal syncs
@@ -174,6 +181,8 @@ def run_child(a: argparse.Namespace, bootstrap: str, tree: Path | None,
            "--json", str(out)]
     if a.send_round_ms is not None:
         cmd += ["--send-round-ms", str(a.send_round_ms)]
+    if a.journal_sync is not None:
+        cmd += ["--journal-sync", a.journal_sync]
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
@@ -213,6 +222,9 @@ def main() -> int:
                          "append)")
     ap.add_argument("--send-round-ms", type=float, default=None,
                     help="settings.producer.send_round_ms (default: the setting's default)")
+    ap.add_argument("--journal-sync", choices=["filesystem", "file"], default=None,
+                    help="settings.producer.journal_sync (default: the setting's default, "
+                         "filesystem): compare the two on the journals' filesystem")
     ap.add_argument("--durability", choices=["fsync", "os"], default="fsync",
                     help="the emitters' durability (os: no journal fdatasync; to see its cost)")
     ap.add_argument("--mode", choices=["emit", "noop", "emit-only"], default="emit",

@@ -93,12 +93,9 @@ class ProducerSideSettings(BaseModel):
     # How a round makes its emitters' journals durable before sending (durability="fsync").
     # "filesystem": one syncfs(2) per filesystem for all the round's journals on it (a group
     # commit: at 1,000 emitters a round of ~50 journals costs one call, not 50 fdatasyncs;
-    # Linux only, elsewhere per file). It also writes back other dirty data of that
-    # filesystem, so a call slower than journal_syncfs_slow_ms turns that filesystem to
-    # per-file syncs for a minute, doubling while it stays slow (logged). "file": one
-    # fdatasync per journal.
+    # Linux only, elsewhere per file). "file": one fdatasync per journal, for a filesystem
+    # where that measures faster (bench/bench_many_emitters.py --journal-sync).
     journal_sync: Literal["filesystem", "file"] = "filesystem"
-    journal_syncfs_slow_ms: float = 250.0
     redact_env: list[str] = Field(
         default_factory=lambda: [
             "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "OPENAI_API_KEY", "ANTHROPIC_API_KEY",

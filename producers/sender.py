@@ -20,10 +20,11 @@ a second (issue 18, item 4). Here the emitters of one loop hand their ready queu
    round that share a filesystem are made durable by one ``syncfs(2)`` -- a group commit
    across sandboxes, without giving up the per-sandbox journal directory (each sandbox's
    unit of locking, recovery and migration). A lone journal, or ``journal_sync="file"``,
-   gets its own ``fdatasync``. A filesystem whose ``syncfs`` took longer than
-   ``journal_syncfs_slow_ms`` (it also writes back other processes' dirty data) gets
-   per-file syncs for ``SYNCFS_COOLDOWN_S`` (doubled for each slow try in a row, up to an
-   hour), then is tried again;
+   gets its own ``fdatasync``. ``syncfs`` also writes back other dirty data of the
+   filesystem; measured on ext4 it was still the faster of the two beside a heavy writer
+   (bench/ANALYSIS.md "Group commit"), so there is no automatic switch between them. A round
+   whose sync took over ``SLOW_SYNC_WARN_S`` holds up every emitter's sends (not its emits)
+   and is logged, at most every ``SLOW_SYNC_WARN_EVERY_S``;
 3. send them through the process's shared producer, emitter by emitter, each emitter's events
    in seq order (one ``send()`` each: the producer batches them per partition, over rounds,
    for ``linger_ms``); acks come back through each record's future.
@@ -65,7 +66,6 @@ import asyncio
 import functools
 import logging
 import os
-import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -86,10 +86,9 @@ SEND_BATCH = 2000  # events of one emitter per round
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
 
-# Per-file syncs on a filesystem whose syncfs was slow, this long; doubled for each slow try
-# in a row (a filesystem busy with other writers stays busy), up to SYNCFS_COOLDOWN_MAX_S.
-SYNCFS_COOLDOWN_S = 60.0
-SYNCFS_COOLDOWN_MAX_S = 3600.0
+# A sync round this slow delays every emitter's sends: say so, at most this often.
+SLOW_SYNC_WARN_S = 1.0
+SLOW_SYNC_WARN_EVERY_S = 300.0
 
 SyncFn = Callable[[int], None]
 
@@ -101,11 +100,14 @@ class SharedSender:
                  syncfs_fn: SyncFn | None = syncfs) -> None:
         self._sync_fn = sync_fn
         self._syncfs_fn = syncfs_fn  # None: per-file syncs only
-        self.syncfs_slow_s = 0.25  # the smallest journal_syncfs_slow_ms of the members, in s
-        self._syncfs_off_until: dict[int, float] = {}  # st_dev -> monotonic time
-        self._syncfs_cooldown: dict[int, float] = {}  # st_dev -> the next cool-down, in s
+        # Counters (tests, bench): journals made durable, and the calls that did it.
+        self.journals_synced = 0
         self.syncfs_calls = 0
-        self.syncfs_slow = 0  # syncfs calls that turned their filesystem to per-file syncs
+        self.fdatasyncs = 0
+        self.slow_sync_rounds = 0  # over SLOW_SYNC_WARN_S
+        self._slow_unreported = 0
+        self._slow_longest = 0.0
+        self._slow_warned_at: float | None = None
         self._ready: dict[SandboxEmitter, None] = {}  # insertion-ordered set
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -115,7 +117,6 @@ class SharedSender:
         self.round_max_s: float | None = None  # the smallest send_round_max_ms, in s
         self.rounds = 0  # for tests and metrics
         self.sync_rounds = 0
-        self.syncs = 0
         # The last shared producer found broken (its deliveries failed for good) and its
         # replacement: emitters still holding an older one move to it as they send.
         self._broken: AIOKafkaProducer | None = None
@@ -127,14 +128,11 @@ class SharedSender:
         self._members += 1
         r = max(0.0, em.settings.producer.send_round_ms / 1000)
         r_max = max(r, em.settings.producer.send_round_max_ms / 1000)
-        slow = em.settings.producer.journal_syncfs_slow_ms / 1000
         if self._task is None or self._task.done():
-            self.syncfs_slow_s = slow
             self.round_s, self.round_max_s = r, r_max
             self._task = asyncio.get_running_loop().create_task(
                 self._run(), name="trajbus-emitter-sender")
         else:
-            self.syncfs_slow_s = min(self.syncfs_slow_s, slow)
             self.round_s = r if self.round_s is None else min(self.round_s, r)
             self.round_max_s = r_max if self.round_max_s is None else min(self.round_max_s, r_max)
 
@@ -245,6 +243,8 @@ class SharedSender:
             batches.append((em, batch))
         if syncing:
             fds = [fd for _, fd in syncing]
+            loop = asyncio.get_running_loop()
+            started = loop.time()
             try:
                 errors = await asyncio.to_thread(self._sync_journals, fds, whole_fs)
             except Exception as exc:  # no sync happened (e.g. the executor is shut down)
@@ -258,7 +258,10 @@ class SharedSender:
                 for fd in fds:
                     os.close(fd)
             self.sync_rounds += 1
-            self.syncs += len(fds)
+            self.journals_synced += len(fds)
+            took = loop.time() - started
+            if took > SLOW_SYNC_WARN_S:
+                self._slow_sync(took, syncing, whole_fs, loop.time())
             failed = {em: exc for (em, _), exc in zip(syncing, errors, strict=True)
                       if exc is not None}
             if failed:
@@ -276,56 +279,58 @@ class SharedSender:
     def _sync_journals(self, fds: list[int], whole_fs: list[bool]) -> list[OSError | None]:
         """Make the journals behind ``fds`` durable (in a worker thread; one round at a time).
         Returns each one's error, or None. Journals that may share a ``syncfs`` are grouped by
-        filesystem; a group of one, or a filesystem cooling down from a slow ``syncfs``, gets
-        ``fdatasync``s."""
+        filesystem; a group of one gets an ``fdatasync``, as do the others."""
         errors: list[OSError | None] = [None] * len(fds)
         groups: dict[int, list[int]] = {}  # st_dev -> indexes into fds
-        now = time.monotonic()
         per_file: list[int] = []
         for i, fd in enumerate(fds):
             if not whole_fs[i] or self._syncfs_fn is None:
                 per_file.append(i)
                 continue
             try:
-                dev = os.fstat(fd).st_dev
+                groups.setdefault(os.fstat(fd).st_dev, []).append(i)
             except OSError as exc:
                 errors[i] = exc
-                continue
-            if self._syncfs_off_until.get(dev, 0.0) > now:
-                per_file.append(i)
-            else:
-                groups.setdefault(dev, []).append(i)
-        for dev, members in groups.items():
+        for members in groups.values():
             if len(members) == 1 or self._syncfs_fn is None:
                 per_file.extend(members)
                 continue
-            start = time.monotonic()
+            self.syncfs_calls += 1
             try:
                 self._syncfs_fn(fds[members[0]])
             except OSError as exc:
                 for i in members:
                     errors[i] = exc
-            took = time.monotonic() - start
-            self.syncfs_calls += 1
-            if took <= self.syncfs_slow_s:
-                self._syncfs_cooldown.pop(dev, None)
-                continue
-            self.syncfs_slow += 1
-            cooldown = self._syncfs_cooldown.get(dev, SYNCFS_COOLDOWN_S)
-            self._syncfs_cooldown[dev] = min(cooldown * 2, SYNCFS_COOLDOWN_MAX_S)
-            self._syncfs_off_until[dev] = time.monotonic() + cooldown
-            log.warning("a journal group sync (syncfs) took %.0f ms, over "
-                        "journal_syncfs_slow_ms (%.0f ms): the filesystem holds other dirty "
-                        "data. Syncing journals one by one on it for %.0f s (set "
-                        "TRAJBUS_PRODUCER__JOURNAL_SYNC=file to always do so, or give the "
-                        "journals a filesystem of their own)", took * 1000,
-                        self.syncfs_slow_s * 1000, cooldown)
         for i in per_file:
+            self.fdatasyncs += 1
             try:
                 self._sync_fn(fds[i])
             except OSError as exc:
                 errors[i] = exc
         return errors
+
+    def _slow_sync(self, took: float, syncing: list[tuple[SandboxEmitter, int]],
+                   whole_fs: list[bool], now: float) -> None:
+        self.slow_sync_rounds += 1
+        self._slow_unreported += 1
+        self._slow_longest = max(self._slow_longest, took)
+        if (self._slow_warned_at is not None
+                and now - self._slow_warned_at < SLOW_SYNC_WARN_EVERY_S):
+            return
+        journal = syncing[0][0]._journal
+        where = journal.dir.parent if journal is not None else "?"
+        how = ("syncfs" if self._syncfs_fn is not None and sum(whole_fs) > 1
+               else "fdatasync per journal")
+        log.warning(
+            "journal sync rounds are slow: %d over %.0f s since the last such warning, the "
+            "longest %.1f s (the last: %d journals, %s, %.1f s). Every emitter's events reach "
+            "Kafka that much later; emits are not held up (they return once journaled). The "
+            "disk holding the journals (%s) is busy or slow: give the sandboxes' state_dir a "
+            "filesystem of its own if heavy writers share it", self._slow_unreported,
+            SLOW_SYNC_WARN_S, self._slow_longest, len(syncing), how, took, where)
+        self._slow_warned_at = now
+        self._slow_unreported = 0
+        self._slow_longest = 0.0
 
     async def _send(self, batches: list[tuple[SandboxEmitter, list[_Item]]]) -> None:
         for em, batch in batches:

@@ -314,7 +314,7 @@ async def test_the_round_interval_grows_with_the_emitters_open_up_to_its_cap() -
 
     def member(round_ms: float, max_ms: float) -> object:
         return SimpleNamespace(settings=SimpleNamespace(producer=SimpleNamespace(
-            send_round_ms=round_ms, send_round_max_ms=max_ms, journal_syncfs_slow_ms=250.0)))
+            send_round_ms=round_ms, send_round_max_ms=max_ms)))
 
     sender = SharedSender()
     intervals = {}

@@ -4,10 +4,8 @@ to send from durable with one ``syncfs(2)`` per filesystem instead of one ``fdat
 Specified on real files (no broker): journals sharing a filesystem get one ``syncfs``; a lone
 journal, or one whose emitter asked for ``journal_sync="file"``, gets its own ``fdatasync``; a
 failed ``syncfs`` counts as failed for every journal it covered (it cannot say whose pages were
-lost); a ``syncfs`` slower than ``journal_syncfs_slow_ms`` (other dirty data on the filesystem)
-turns that filesystem to per-file syncs for a cool-down, with a warning, then it is tried
-again (each slow try in a row doubles the cool-down, up to an hour). The emitter-level
-guarantee ("durable before sent") is checked against a broker in
+lost); a slow sync round (a busy disk) is logged with what to do, at most every few minutes. The
+emitter-level guarantee ("durable before sent") is checked against a broker in
 ``test_emitter_shared_sender.py`` for both modes."""
 
 from __future__ import annotations
@@ -18,10 +16,10 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from trajbus.bus.settings import ProducerSideSettings
 from trajbus.producers import sender as sender_mod
 from trajbus.producers.journal import syncfs
 from trajbus.producers.sender import SharedSender
@@ -32,7 +30,6 @@ class Calls:
         self.fdatasync: list[int] = []  # inodes
         self.syncfs: list[int] = []  # st_dev
         self.fail_syncfs: OSError | None = None
-        self.syncfs_takes = 0.0  # advances the fake clock
 
     def file(self, fd: int) -> None:
         self.fdatasync.append(os.fstat(fd).st_ino)
@@ -40,24 +37,12 @@ class Calls:
 
     def fs(self, fd: int) -> None:
         self.syncfs.append(os.fstat(fd).st_dev)
-        clock.now += self.syncfs_takes
         if self.fail_syncfs is not None:
             raise self.fail_syncfs
 
 
-class Clock:
-    now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-
-clock = Clock()
-
-
 @pytest.fixture
-def calls(monkeypatch) -> Calls:
-    monkeypatch.setattr(sender_mod.time, "monotonic", clock.monotonic)
+def calls() -> Calls:
     return Calls()
 
 
@@ -74,9 +59,7 @@ def journals(tmp_path: Path) -> Iterator[list[int]]:
 
 
 def _sender(calls: Calls) -> SharedSender:
-    s = SharedSender(sync_fn=calls.file, syncfs_fn=calls.fs)
-    s.syncfs_slow_s = ProducerSideSettings().journal_syncfs_slow_ms / 1000
-    return s
+    return SharedSender(sync_fn=calls.file, syncfs_fn=calls.fs)
 
 
 def test_journals_on_one_filesystem_share_one_syncfs(calls, journals):
@@ -85,7 +68,7 @@ def test_journals_on_one_filesystem_share_one_syncfs(calls, journals):
     assert errors == [None] * len(journals)
     assert calls.syncfs == [os.fstat(journals[0]).st_dev]
     assert calls.fdatasync == []
-    assert s.syncfs_calls == 1
+    assert (s.syncfs_calls, s.fdatasyncs) == (1, 0)
 
 
 def test_a_lone_journal_and_per_file_journals_get_fdatasync(calls, journals):
@@ -115,42 +98,26 @@ def test_a_failed_syncfs_fails_every_journal_it_covered(calls, journals):
     assert calls.fdatasync == [os.fstat(journals[4]).st_ino]  # synced on its own: fine
 
 
-def test_a_slow_syncfs_turns_its_filesystem_to_per_file_syncs_for_a_while(calls, journals,
-                                                                         caplog):
-    s = _sender(calls)
-    calls.syncfs_takes = s.syncfs_slow_s + 0.1
+def test_slow_sync_rounds_are_logged_with_what_to_do_at_most_every_few_minutes(caplog,
+                                                                              tmp_path):
+    s = SharedSender(sync_fn=os.fdatasync, syncfs_fn=None)
+    em = SimpleNamespace(_journal=SimpleNamespace(dir=tmp_path / "sb-1" / "journal"))
+    syncing = [(em, 3), (em, 4)]
     with caplog.at_level(logging.WARNING, logger=sender_mod.__name__):
-        assert s._sync_journals(journals, [True] * 6) == [None] * 6
-    assert s.syncfs_slow == 1 and len(calls.syncfs) == 1
-    assert "TRAJBUS_PRODUCER__JOURNAL_SYNC=file" in caplog.text
-    calls.syncfs_takes = 0.0
-    # during the cool-down: one fdatasync per journal, no syncfs
-    clock.now += sender_mod.SYNCFS_COOLDOWN_S - 1
-    assert s._sync_journals(journals, [True] * 6) == [None] * 6
-    assert len(calls.syncfs) == 1 and len(calls.fdatasync) == 6
-    # after it: one syncfs again
-    clock.now += 2
-    assert s._sync_journals(journals, [True] * 6) == [None] * 6
-    assert len(calls.syncfs) == 2 and len(calls.fdatasync) == 6
-
-
-def test_a_filesystem_that_stays_slow_is_tried_ever_less_often(calls, journals):
-    s = _sender(calls)
-    cooldowns = []
-    calls.syncfs_takes = s.syncfs_slow_s + 0.1
-    for _ in range(9):
-        before = len(calls.syncfs)
-        s._sync_journals(journals, [True] * 6)
-        assert len(calls.syncfs) == before + 1  # tried, slow again
-        cooldowns.append(round(s._syncfs_off_until[os.fstat(journals[0]).st_dev] - clock.now))
-        clock.now = s._syncfs_off_until[os.fstat(journals[0]).st_dev] + 0.001
-    assert cooldowns == [60, 120, 240, 480, 960, 1920, 3600, 3600, 3600]
-    # a fast one resets it
-    calls.syncfs_takes = 0.0
-    s._sync_journals(journals, [True] * 6)
-    calls.syncfs_takes = s.syncfs_slow_s + 0.1
-    s._sync_journals(journals, [True] * 6)
-    assert round(s._syncfs_off_until[os.fstat(journals[0]).st_dev] - clock.now) == 60
+        s._slow_sync(1.5, syncing, [True, True], now=100.0)
+        assert len(caplog.records) == 1
+        first = caplog.records[0].getMessage()
+        assert "1 over 1 s" in first and "the longest 1.5 s" in first
+        assert str(tmp_path) in first and "filesystem of its own" in first
+        assert "emits are not held up" in first
+        s._slow_sync(4.0, syncing, [True, True], now=200.0)  # within the quiet period
+        s._slow_sync(2.0, syncing, [True, True], now=300.0)
+        assert len(caplog.records) == 1
+        s._slow_sync(1.2, syncing, [True, True], now=100.0 + sender_mod.SLOW_SYNC_WARN_EVERY_S)
+        assert len(caplog.records) == 2
+        second = caplog.records[1].getMessage()
+        assert "3 over 1 s" in second and "the longest 4.0 s" in second
+    assert s.slow_sync_rounds == 4
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="syncfs(2) is Linux's")
