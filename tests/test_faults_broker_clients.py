@@ -201,3 +201,46 @@ async def test_archiver_running_through_broker_sigkill_archives_each_record_once
 
 async def _no_dead_letters(*args: object) -> None:
     raise AssertionError(f"unexpected dead letter: {args[5:]}")
+
+
+def _wait_for_log(path: Path, needles: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        text = path.read_text(errors="replace") if path.exists() else ""
+        if all(n in text for n in needles):
+            return
+        assert time.monotonic() < deadline, f"not in the log: {needles}\n{text[-3000:]}"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(240)
+async def test_a_worker_told_to_stop_while_the_broker_is_away_exits_within_seconds(
+        killable_broker: LocalBroker, tmp_path: Path, unique_name: str) -> None:
+    """SIGTERM during a broker outage: the worker neither waits for deliveries that cannot
+    happen (its tickers' ticks, an in-flight transaction) nor reaches the 60 s hard exit; it
+    stops in seconds with exit code 0. It used to take 60 s and exit 1 with thread dumps: the
+    main loop awaited its in-flight transaction (retried by aiokafka until the broker is
+    back), and each ticker its producer's close (waiting to deliver the queued ticks)."""
+    with _running(killable_broker) as broker:
+        settings = settings_for(broker.bootstrap, unique_name, partitions=2)
+        await ensure_base_topics(settings, ["task-a"])
+        log_path = tmp_path / "worker.log"
+        worker = Worker(settings, "reorder,watchdog,scheduler", "w-stop",
+                        log_path=log_path).start()
+        try:
+            await asyncio.to_thread(_wait_for_log, log_path, [
+                f"{name}: restored" for name in ("reorder", "watchdog", "scheduler")], 120)
+            broker.kill()
+            # the outage before the stop (the fault's parameter): ticks queue up meanwhile
+            await asyncio.sleep(3)
+            started = time.monotonic()
+            code = await asyncio.to_thread(worker.stop, 90)
+            took = time.monotonic() - started
+        finally:
+            if worker.proc is not None and worker.proc.poll() is None:
+                worker.kill()
+        log_text = log_path.read_text(errors="replace")
+        assert "did not stop within" not in log_text, log_text[-3000:]
+        assert code == 0, log_text[-3000:]
+        # the in-flight transaction's 10 s (SETTLE_ON_STOP_S) and a few seconds of closing
+        assert took < 30, f"stopped after {took:.1f} s"

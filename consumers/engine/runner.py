@@ -170,6 +170,13 @@ RESTORE_PENDING_TXN_WAIT_S = 5.0
 # for longer than a restart); the worker's supervisor restarts the processor.
 RESTORE_STALL_S = 60.0
 CLIENT_CLOSE_S = 15.0
+# On a stop, how long the in-flight transaction may take to complete, and the ticker's
+# producer to close. With the broker away neither ever would: the transaction is then left to
+# the broker to abort (its offsets were not committed, so the next owner processes its inputs
+# again, exactly once) and the undelivered ticks are dropped (the next tick tells the time).
+# A worker told to stop during an outage exits in seconds, not at the hard deadline.
+SETTLE_ON_STOP_S = 10.0
+TICKER_CLOSE_S = 2.0
 
 
 class RestoreInterrupted(KafkaConnectionError):
@@ -419,6 +426,21 @@ class Runner:
         if task is not None:
             await task
 
+    async def _settle_unless_stopping(self) -> bool:
+        """:meth:`_settle`, or False as soon as the runner is told to stop while the in-flight
+        transaction is still pending (it stays in flight, for the stop to deal with)."""
+        task = self._inflight
+        if task is not None and not task.done() and not self.stopping.is_set():
+            stop = asyncio.ensure_future(self.stopping.wait())
+            try:
+                await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+        if task is not None and not task.done():
+            return False
+        await self._settle()
+        return True
+
     async def _restore(self, assigned: Iterable[TopicPartition]) -> None:
         """Build the cores of the assigned slots that have none from the committed changelog.
         The reading and building run in a thread with an event loop of its own: a restore is
@@ -661,22 +683,34 @@ class Runner:
                 if ready:
                     await self._process(ready)
             async with self._lock:
-                await self._settle()
-            clean = True
+                task = self._inflight
+                if task is not None:
+                    # not wait_for: a cancelled transaction aborts, and the abort would wait
+                    # for the broker just the same
+                    await asyncio.wait({task}, timeout=SETTLE_ON_STOP_S)
+                if task is None or task.done():
+                    await self._settle()
+                    clean = True
+                else:
+                    log.warning("%s: its last transaction did not complete within %.0f s of "
+                                "the stop (is the broker away?); left for the broker to "
+                                "abort: its inputs are processed again by their next owner",
+                                self.spec.name, SETTLE_ON_STOP_S)
         finally:
             await self.cancel_restore()
             self._abort_restore.set()  # a restore thread of an assignment callback, if any
             if self._inflight is not None:  # failing: the broker aborts it (or it commits)
                 self._inflight.cancel()
-                with contextlib.suppress(BaseException):
-                    await self._inflight
+                # a cancelled transaction aborts, which waits for a broker that may be away:
+                # not for long (the producer is closed next, and its transaction with it)
+                await asyncio.wait({self._inflight}, timeout=TICKER_CLOSE_S)
                 self._inflight = None
             ticker.cancel()
             # its error (if any) was raised above; here it must not skip closing the clients
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await ticker
-            await self._close(self._consumer, "consumer")
-            await self._close(self._producer, "producer")
+            await asyncio.gather(self._close(self._consumer, "consumer"),
+                                 self._close(self._producer, "producer"))
             if clean:  # a crash stays a member: its restart takes the partitions back
                 await self._leave_group()
 
@@ -728,14 +762,26 @@ class Runner:
         )
         await self._start_clients(producer_args, consumer_args)
 
-    async def _close(self, client: AIOKafkaConsumer | AIOKafkaProducer, what: str) -> None:
-        """Close a client within ``CLIENT_CLOSE_S``: a close that hangs (a client whose
-        background task died with the broker) must not keep the worker from stopping."""
+    async def _close(self, client: AIOKafkaConsumer | AIOKafkaProducer, what: str,
+                     timeout: float = CLIENT_CLOSE_S) -> None:
+        """Close a client within ``timeout``: a close that hangs (a client whose background
+        task died with the broker, a producer waiting to deliver to a broker that is away)
+        must not keep the worker from stopping."""
+        # not wait_for: it would wait for the cancelled stop() to end, and aiokafka's stop
+        # can go on waiting for the broker after a cancel (an open transaction's abort)
+        stop = asyncio.ensure_future(client.stop())
+        await asyncio.wait({stop}, timeout=timeout)
+        if not stop.done():
+            stop.cancel()
+            await asyncio.wait({stop}, timeout=1.0)
+            log.warning("%s: its %s did not close within %.0f s (is the broker away?)",
+                        self.spec.name, what, timeout)
+            return
         try:
-            await asyncio.wait_for(client.stop(), CLIENT_CLOSE_S)
-        except (TimeoutError, KafkaError, OSError) as exc:
+            stop.result()
+        except (KafkaError, OSError) as exc:
             log.warning("%s: its %s did not close cleanly (%s: %s)", self.spec.name, what,
-                        type(exc).__name__, exc or f"not within {CLIENT_CLOSE_S:.0f} s")
+                        type(exc).__name__, exc)
 
     async def _start_clients(self, producer_args: dict[str, Any],
                              consumer_args: dict[str, Any]) -> None:
@@ -833,7 +879,12 @@ class Runner:
         commit, as after a crash)."""
         async with self._lock:
             prepared = await self._prepare(records)
-            await self._settle()
+            if not await self._settle_unless_stopping():
+                # Told to stop while the previous transaction is still in flight (the broker
+                # away: it may never complete). This batch's transaction is never begun --
+                # nothing of it is written, its inputs are processed again by their next
+                # owner -- and the stop waits for the previous one at most SETTLE_ON_STOP_S.
+                return
             self._inflight = asyncio.create_task(self._commit(*prepared))
 
     async def _prepare(self, records: list[tuple[TopicPartition, Any]]
@@ -1009,4 +1060,4 @@ class Runner:
                     skipped = 0
                 seq += 1
         finally:
-            await producer.stop()
+            await self._close(producer, "ticker producer", TICKER_CLOSE_S)

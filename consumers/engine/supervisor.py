@@ -18,6 +18,7 @@ What it guarantees (RELIABILITY.md, finding X):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import logging
 import os
@@ -130,10 +131,24 @@ class Worker:
                 self.processed[spec.name] += runner.processed
 
 
+def _print_pending_tasks() -> None:
+    """Every pending asyncio task's stack (on the loop's thread): what a stop waits for."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    print(f"trajbus: the worker is still stopping; its {len(tasks)} pending asyncio tasks:",
+          file=sys.stderr, flush=True)
+    for task in tasks:
+        task.print_stack(limit=20, file=sys.stderr)
+    sys.stderr.flush()
+
+
 def arm_hard_exit(reason: str, after_s: float = HARD_EXIT_AFTER_S) -> threading.Timer:
     """Exit the process (code 1) if it is still alive ``after_s`` from now, printing why and
-    every thread's stack first. For a shutdown that hangs (a client's stop that never returns,
+    every thread's stack first (and, shortly before, every pending asyncio task's stack when
+    called on the event loop). For a shutdown that hangs (a client's stop that never returns,
     a thread that does not end): a supervisor restarts an exited worker, never a hung one."""
+    with contextlib.suppress(RuntimeError):  # not on a running loop: threads only
+        asyncio.get_running_loop().call_later(max(0.0, after_s - 2.0), _print_pending_tasks)
+
     def hard_exit() -> None:
         print(f"trajbus: error: the worker did not stop within {after_s:g} s after it was "
               f"told to ({reason}); exiting now. Where each thread was:", file=sys.stderr,
