@@ -177,6 +177,17 @@ CLIENT_CLOSE_S = 15.0
 # A worker told to stop during an outage exits in seconds, not at the hard deadline.
 SETTLE_ON_STOP_S = 10.0
 TICKER_CLOSE_S = 2.0
+CANCEL_WAIT_S = 2.0  # for a cancelled transaction or close to end before it is left behind
+
+
+def _left_behind(task: asyncio.Future[Any]) -> None:
+    """A task given up on (cancelled, maybe still waiting for the broker): its outcome is
+    moot, and must not be logged as "exception was never retrieved" when it ends."""
+    def retrieve(t: asyncio.Future[Any]) -> None:
+        if not t.cancelled():
+            t.exception()
+
+    task.add_done_callback(retrieve)
 
 
 class RestoreInterrupted(KafkaConnectionError):
@@ -699,18 +710,23 @@ class Runner:
         finally:
             await self.cancel_restore()
             self._abort_restore.set()  # a restore thread of an assignment callback, if any
-            if self._inflight is not None:  # failing: the broker aborts it (or it commits)
-                self._inflight.cancel()
+            inflight, self._inflight = self._inflight, None
+            if inflight is not None:  # failing or stopping: the broker aborts it (or it commits)
+                inflight.cancel()
+                _left_behind(inflight)
                 # a cancelled transaction aborts, which waits for a broker that may be away:
                 # not for long (the producer is closed next, and its transaction with it)
-                await asyncio.wait({self._inflight}, timeout=TICKER_CLOSE_S)
-                self._inflight = None
+                await asyncio.wait({inflight}, timeout=CANCEL_WAIT_S)
             ticker.cancel()
             # its error (if any) was raised above; here it must not skip closing the clients
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await ticker
-            await asyncio.gather(self._close(self._consumer, "consumer"),
-                                 self._close(self._producer, "producer"))
+            # a producer whose transaction was called off would wait in its close for the
+            # abort, i.e. for the broker: the broker aborts it itself (or a restart fences it)
+            await asyncio.gather(
+                self._close(self._consumer, "consumer"),
+                self._close(self._producer, "producer",
+                            CANCEL_WAIT_S if inflight is not None else CLIENT_CLOSE_S))
             if clean:  # a crash stays a member: its restart takes the partitions back
                 await self._leave_group()
 
@@ -773,7 +789,8 @@ class Runner:
         await asyncio.wait({stop}, timeout=timeout)
         if not stop.done():
             stop.cancel()
-            await asyncio.wait({stop}, timeout=1.0)
+            _left_behind(stop)
+            await asyncio.wait({stop}, timeout=CANCEL_WAIT_S)
             log.warning("%s: its %s did not close within %.0f s (is the broker away?)",
                         self.spec.name, what, timeout)
             return
