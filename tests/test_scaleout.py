@@ -69,7 +69,13 @@ async def _drain_backlog(settings: Settings, name: str, produce_backlog: Any,
                 if len(got) >= len(expected):
                     return
 
-        await asyncio.wait_for(loop(), 300)
+        try:
+            await asyncio.wait_for(loop(), 300)
+        except TimeoutError:
+            missing = sorted(set(expected) - set(got))
+            raise AssertionError(
+                f"the trainer holds {len(got)} of {len(expected)} episodes after 300 s; "
+                f"missing e.g. {missing[:5]}") from None
         took = time.monotonic() - t0
     return took, got
 
@@ -101,8 +107,13 @@ async def _run(kafka_broker: Any, unique_name: str, tmp_path: Path, n_workers: i
         for w in workers:
             w.start()
         await _all_assigned(logs)
-        took, got = await _drain_backlog(settings, prefix, backlog,
-                                         {(e.sandbox, e.episode): e.events for e in eps})
+        try:
+            took, got = await _drain_backlog(settings, prefix, backlog,
+                                             {(e.sandbox, e.episode): e.events for e in eps})
+        except AssertionError as exc:  # say what the workers did (their logs are in tmp_path)
+            tails = [p.read_text(errors="replace")[-4000:] for p in logs if p.exists()]
+            raise AssertionError(f"{exc}\nworker logs ({tmp_path}):\n" + "\n---\n".join(tails)
+                                 ) from None
     finally:
         for w in workers:
             w.stop()
