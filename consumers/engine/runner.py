@@ -180,14 +180,17 @@ TICKER_CLOSE_S = 2.0
 CANCEL_WAIT_S = 2.0  # for a cancelled transaction or close to end before it is left behind
 
 
-def _left_behind(task: asyncio.Future[Any]) -> None:
-    """A task given up on (cancelled, maybe still waiting for the broker): its outcome is
-    moot, and must not be logged as "exception was never retrieved" when it ends."""
+async def _give_up(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait for it at most ``CANCEL_WAIT_S``: a cancelled transaction or
+    client close can go on waiting for a broker that is away (an abort). Its outcome is moot,
+    and must not be logged as "exception was never retrieved" when it ends later."""
     def retrieve(t: asyncio.Future[Any]) -> None:
         if not t.cancelled():
             t.exception()
 
+    task.cancel()
     task.add_done_callback(retrieve)
+    await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
 
 
 class RestoreInterrupted(KafkaConnectionError):
@@ -712,11 +715,7 @@ class Runner:
             self._abort_restore.set()  # a restore thread of an assignment callback, if any
             inflight, self._inflight = self._inflight, None
             if inflight is not None:  # failing or stopping: the broker aborts it (or it commits)
-                inflight.cancel()
-                _left_behind(inflight)
-                # a cancelled transaction aborts, which waits for a broker that may be away:
-                # not for long (the producer is closed next, and its transaction with it)
-                await asyncio.wait({inflight}, timeout=CANCEL_WAIT_S)
+                await _give_up(inflight)  # the producer is closed next, its transaction with it
             ticker.cancel()
             # its error (if any) was raised above; here it must not skip closing the clients
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -788,9 +787,7 @@ class Runner:
         stop = asyncio.ensure_future(client.stop())
         await asyncio.wait({stop}, timeout=timeout)
         if not stop.done():
-            stop.cancel()
-            _left_behind(stop)
-            await asyncio.wait({stop}, timeout=CANCEL_WAIT_S)
+            await _give_up(stop)
             log.warning("%s: its %s did not close within %.0f s (is the broker away?)",
                         self.spec.name, what, timeout)
             return
