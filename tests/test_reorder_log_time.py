@@ -213,3 +213,132 @@ def test_replay_records_are_keyed_by_sandbox_and_episode_and_spread_over_partiti
     partitions = list(range(6))
     used = {DefaultPartitioner()(o.key, partitions, partitions) for o in replay}
     assert used == set(partitions)
+
+
+# -- the per-sandbox open-episode limit while one topic lags ---------------------------------
+LIMIT = 3
+
+
+def limited(limit: int = LIMIT) -> ReorderProcessor:
+    s = Settings()
+    s.topics.prefix = "t"
+    s.replay = ReplaySettings(gap_timeout_ms=TIMEOUT, max_open_episodes_per_sandbox=limit)
+    return ReorderProcessor(s)
+
+
+def _ep_header(episode: str, seq: int, t: int) -> m.Envelope:
+    return m.Envelope(event_id=f"{episode}-{seq}", task="task-a", sandbox="sb-1",
+                      episode=episode, seq=seq, event_time_ms=t, producer_id="test")
+
+
+def sequential_episodes(log: Log, n: int, t0: int, every: int) -> tuple[list[InRecord],
+                                                                          list[InRecord]]:
+    """One sandbox running ``n`` episodes one after the other, one every ``every`` ms: start
+    and tool call on the events topic, the end on the chunks topic. Returns the records of
+    each topic (with a tick every second), in log order."""
+    evs: list[tuple[int, bytes]] = []
+    chs: list[tuple[int, bytes]] = []
+    for i in range(n):
+        t, ep = t0 + i * every, f"ep-{i}"
+        evs.append((t, m.EpisodeStart(header=_ep_header(ep, 0, t)).encode()))
+        evs.append((t + 1, m.ToolCall(header=_ep_header(ep, 1, t + 1), call_id="c",
+                                      tool="exec", args_hash="0" * 64).encode()))
+        chs.append((t + 2, m.EpisodeEnd(header=_ep_header(ep, 2, t + 2),
+                                        outcome=m.EpisodeOutcome.TERMINAL).encode()))
+    stop = t0 + n * every + 2 * TIMEOUT
+    out = []
+    for topic, items in ((EVENTS, evs), (CHUNKS, chs)):
+        ticks = [(t, None) for t in range(t0, stop, 1000)]
+        merged = sorted(ticks + items, key=lambda x: (x[0], x[1] is not None))
+        out.append([log.tick(topic, t) if v is None else log.rec(topic, v, t)
+                    for t, v in merged])
+    return out[0], out[1]
+
+
+def delivered(outs: list[OutRecord]) -> dict[str, list[int]]:
+    """Episode -> seqs replayed, for the episodes whose last segment was written."""
+    seqs: dict[str, list[int]] = {}
+    ended = set()
+    for o in outs:
+        if o.topic.startswith("t.replay."):
+            seg = codec.decode(o.value).record
+            ep = seg["header"]["episode"]
+            seqs.setdefault(ep, []).extend(codec.decode(e).record["header"]["seq"]
+                                           for e in seg["events"])
+            if seg["is_last"]:
+                ended.add(ep)
+    return {ep: s for ep, s in seqs.items() if ep in ended}
+
+
+def dead_letters(outs: list[OutRecord]) -> list[Any]:
+    return [codec.decode(o.value).record for o in outs if o.topic == "t.deadletter"]
+
+
+def test_a_lagging_topic_does_not_make_a_sandbox_look_over_its_open_episode_limit() -> None:
+    """A sandbox runs 20 short episodes one after the other; their ends travel on the chunks
+    topic, which the worker reads only after the whole events topic (a fetch of one topic
+    stalled, as under load). Read that way, the sandbox seems to have 20 episodes open at once,
+    far over its limit of 3 -- but never more than one was open in the log. Every episode is
+    replayed whole; nothing is dead-lettered."""
+    log = Log()
+    events, chunks = sequential_episodes(log, 20, T0, every=100)
+    p = limited()
+    outs = feed(p, [*events, *chunks])
+    assert dead_letters(outs) == []
+    assert delivered(outs) == {f"ep-{i}": [0, 1, 2] for i in range(20)}
+    counters = p.core.counters()
+    assert counters["held_events"] > 0 and counters["held"] == 0  # held, then all admitted
+    assert counters["episodes_refused"] == 0
+
+
+def test_a_flood_of_open_episodes_is_still_refused_and_names_its_records() -> None:
+    """A sandbox opens 8 episodes it never ends, both topics read in step: the first 3 (the
+    limit) are replayed, the other 5 are dead letters ``too_many_open_episodes`` once the clock
+    reaches them, each naming its own source record (topic, offset), which `deadletters
+    redrive` sends back."""
+    log = Log()
+    p = limited()
+    t = T0 + 10_000
+    starts = [log.rec(EVENTS, m.EpisodeStart(header=_ep_header(f"ep-{i}", 0, t + i)).encode(),
+                      t + i) for i in range(8)]
+    outs = feed(p, [log.tick(EVENTS, T0), log.tick(CHUNKS, T0), *starts])
+    assert dead_letters(outs) == []  # ahead of the clock: held, not yet judged
+    outs += feed(p, [log.tick(EVENTS, t + 1000)])
+    assert dead_letters(outs) == []  # the chunks topic has not been read that far
+    outs += feed(p, [log.tick(CHUNKS, t + 1000)])
+    dls = dead_letters(outs)
+    assert [d["header"]["episode"] for d in dls] == [f"ep-{i}" for i in range(3, 8)]
+    assert {d["reason_code"] for d in dls} == {"too_many_open_episodes"}
+    assert [(d["source_topic"], d["source_offset"]) for d in dls] == [
+        (EVENTS, r.offset) for r in starts[3:]]
+    assert [(d["original_key"], d["original_value"]) for d in dls] == [
+        (r.key, r.value) for r in starts[3:]]
+    replayed = {codec.decode(o.value).record["header"]["episode"] for o in outs
+                if o.topic.startswith("t.replay.")}
+    assert replayed == {"ep-0", "ep-1", "ep-2"}
+
+
+def test_held_events_survive_a_restore_with_the_same_decisions_and_timers() -> None:
+    """Cut the lagging-topic log while events are held: a processor restored from the first
+    one's changelog ends with the same outputs and the same internal sizes (held events,
+    timers) as an uninterrupted run."""
+    log = Log()
+    events, chunks = sequential_episodes(log, 20, T0, every=100)
+    records = [*events, *chunks]
+    cut = len(events) * 2 // 3  # the chunks topic not read yet: events are held
+    whole = limited()
+    expected = feed(whole, records)
+
+    first = limited()
+    head = feed(first, records[:cut])
+    assert first.core.counters()["held"] > 0
+    second = limited()
+    for key, blob in first.take_dirty().items():
+        second.restore(key, blob)
+    tail = feed(second, records[cut:])
+    assert [(o.topic, o.key, o.value) for o in head + tail] == [
+        (o.topic, o.key, o.value) for o in expected]
+    gauges = ("held", "episodes_open", "tombstones", "buffered", "buffered_bytes")
+    assert {g: second.core.counters()[g] for g in gauges} == {
+        g: whole.core.counters()[g] for g in gauges}
+    assert len(second.core._timers) == len(whole.core._timers)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from faults_support import committed_offsets, end_offsets
 from support import Worker, make_episodes, produce, settings_for, shuffled_with_duplicates
 
 from trajbus.bus.admin import ensure_base_topics
@@ -138,3 +139,67 @@ async def test_two_workers_split_the_partitions_and_deliver_each_episode_once(
     print(f"scale-out: {figures}")
     if (os.cpu_count() or 1) >= 4:
         assert two < one, f"two workers were not faster than one: {figures}"
+
+
+async def test_a_worker_reading_one_topic_far_ahead_of_the_other_delivers_every_episode(
+        kafka_broker: Any, unique_name: str, tmp_path: Path) -> None:
+    """Consumers give no order across topics: a stalled fetch lets a worker read one input
+    topic thousands of records ahead of the other (the cause of this file's first test failing
+    in CI, 950 of 1,000 episodes). Its sandboxes then seem to have many episodes open, their
+    ends unread on the other topic. Forced here: the trace-chunk records are written, as a
+    sandbox writes them, right after their episodes' other records, but inside a transaction
+    that stays open until the worker has read and committed the whole events topic (a
+    read_committed consumer stops at an open transaction). With a per-sandbox limit of 8 open
+    episodes and 28 sequential episodes per sandbox, every episode still reaches the trainer,
+    in order, exactly once; none is dead-lettered as ``too_many_open_episodes``."""
+    from aiokafka import AIOKafkaProducer
+
+    from trajbus.bus.producer import producer_options
+
+    prefix = f"{unique_name}-lag"
+    settings = settings_for(kafka_broker.bootstrap, prefix, partitions=PARTITIONS)
+    await ensure_base_topics(settings, ["task-a"])
+    eps = make_episodes(200, seed=11, steps=8)
+    items = shuffled_with_duplicates(eps, 11, dup_rate=0.0)
+    topics = Topics(settings)
+    log = tmp_path / f"{prefix}.log"
+    worker = Worker(settings, "reorder", log_path=log, extra_env={
+        "TRAJBUS_REPLAY__MAX_OPEN_EPISODES_PER_SANDBOX": "8"})
+
+    async def lead_then_lag() -> None:
+        held_back = AIOKafkaProducer(**producer_options(settings.kafka),
+                                     transactional_id=f"{prefix}-held-back")
+        await held_back.start()
+        try:
+            await held_back.begin_transaction()
+            for i in range(0, len(items), 50):  # both topics written together, in slices
+                part = items[i:i + 50]
+                await produce(settings, topics.sandbox_events, part[0::2])
+                await asyncio.gather(*[await held_back.send(topics.trace_chunks, v,
+                                                            key=k.encode())
+                                       for k, v in part[1::2]])
+            leading = await end_offsets(settings, [topics.sandbox_events])
+            deadline = time.monotonic() + 120
+            while True:  # the worker has read and committed the whole events topic
+                done = await committed_offsets(settings, f"{prefix}.reorder")
+                if all(done.get(tp, 0) >= n for tp, n in leading.items()):
+                    break
+                assert time.monotonic() < deadline, f"the worker did not read {leading}: {done}"
+                await asyncio.sleep(0.2)
+            await held_back.commit_transaction()  # the chunks topic can now be read
+        finally:
+            await held_back.stop()
+
+    worker.start()
+    try:
+        await _all_assigned([log])
+        try:
+            _, got = await _drain_backlog(settings, prefix, lead_then_lag,
+                                          {(e.sandbox, e.episode): e.events for e in eps})
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nworker log:\n{log.read_text(errors='replace')[-4000:]}"
+                                 ) from None
+    finally:
+        worker.stop()
+    assert got == {(e.sandbox, e.episode): e.events for e in eps}, \
+        "every episode in order, exactly once"

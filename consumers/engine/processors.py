@@ -134,7 +134,7 @@ class ReorderProcessor(_Adapter):
             return
         if self.core.clock_ms == 0:  # before the first watermark: start from the log's time
             self.core.tick(rec.timestamp_ms)
-        self._convert(self.core.handle(self._event(rec, head)), outs, rec, merger)
+        self._convert(self.core.handle(self._event(rec, head), rec), outs, rec, merger)
 
     def _decode_head(self, rec: InRecord, outs: list[OutRecord]) -> Head | None:
         """The record's kind and header, its body checked whole (codec.decode_head: what a
@@ -203,7 +203,9 @@ class ReorderProcessor(_Adapter):
                 outs.append(OutRecord(self.topics.late, episode_record_key(r.sandbox, r.episode),
                                       r.raw))
             elif isinstance(r, DeadLetterOut):
-                src = rec or InRecord("_core", -1, -1, None, r.raw, 0)
+                # an event the core held names its own record (it may be judged on a tick)
+                src = (rec if r.origin is None else InRecord(*r.origin[:4], r.raw, r.origin[4])
+                       ) or InRecord("_core", -1, -1, None, r.raw, 0)
                 outs.append(self.dead_letter(src, r.reason_code, r.reason, value=r.raw, header={
                     "task": r.task, "sandbox": r.sandbox, "episode": r.episode},
                     conflicting=r.conflicting_with))
@@ -359,7 +361,7 @@ class SchedulerProcessor(_Adapter):
                 self.sandbox_order.tick(rec.timestamp_ms)
             ev = InEvent.from_decoded(decoded, rec.value, rec.timestamp_ms)._replace(
                 episode=_SANDBOX_EPISODE)
-            self._in_order(self.sandbox_order.handle(ev), rec, outs)
+            self._in_order(self.sandbox_order.handle(ev, rec), rec, outs)
             return outs
         if kind == "ReplaySegment":
             if record["gap"] is not None or not record["events"]:
@@ -397,7 +399,8 @@ class SchedulerProcessor(_Adapter):
             elif isinstance(r, LateOut):
                 released.append(r.raw)
             elif isinstance(r, DeadLetterOut):
-                outs.append(self.dead_letter(rec, r.reason_code, r.reason, value=r.raw,
+                src = rec if r.origin is None else InRecord(*r.origin[:4], r.raw, r.origin[4])
+                outs.append(self.dead_letter(src, r.reason_code, r.reason, value=r.raw,
                                              header={"task": r.task, "sandbox": r.sandbox}))
         for raw in released:
             event = self.codec.decode(raw)

@@ -67,6 +67,16 @@ Guarantees (per episode, keyed by ``(sandbox, episode)``):
   or hostile sandbox). An event that would open one more is a dead letter
   (``too_many_open_episodes``, counter ``episodes_refused``) with its bytes; once the sandbox's
   episodes end, new ones are admitted again.
+  The limit is judged at the event's arrival time *on the clock*, i.e. once every input
+  topic has been read that far: an event that would exceed it while its arrival is still
+  ahead of the clock is **held** (counters ``held_events``, gauge ``held``) and judged when
+  the clock reaches it. Episodes look open while another input topic lags (their ends and
+  middle events are in its unread part); judged at once, a sandbox's ordinary episodes would
+  be refused because the worker read one topic ahead of the other. A held event is judged
+  exactly as on arrival (the same recycle deadline and limit), its dead letter names its
+  source record (``DeadLetterOut.origin``). Held events of a sandbox are bounded by
+  ``max_buffered_per_episode`` and count towards ``max_buffered_total``; beyond a bound an
+  event is judged at once.
 * **Bad input never raises**: it becomes a :class:`DeadLetterOut` with a stable
   ``reason_code`` (``invalid_seq``, ``missing_episode``, ``missing_sandbox``,
   ``invalid_event``, ``bad_start_seq``, ``missing_outcome``, ``seq_after_end``,
@@ -109,6 +119,9 @@ _TIMER_RECYCLE = 0
 _TIMER_IDLE = 1
 _TIMER_TOMBSTONE = 2
 _TIMER_SANDBOX = 3
+_TIMER_HELD = 4
+HELD_PREFIX = "@held/"
+"""Changelog key prefix of a sandbox's held events (``"@held/<sandbox>"``)."""
 
 
 def content_digest(raw: bytes) -> int:
@@ -244,6 +257,13 @@ class DeadLetterOut(NamedTuple):
     seq: int
     conflicting_with: bytes | None = None
     """For ``conflicting_duplicate``: the version that was kept, when still buffered."""
+    origin: tuple[str, int, int, bytes | None, int] | None = None
+    """For an event judged after it was held: its source record's (topic, partition, offset,
+    key, log time), as the shell passed them to :meth:`ReorderCore.handle`."""
+
+
+Origin: TypeAlias = tuple[str, int, int, bytes | None, int]
+_Held: TypeAlias = tuple[int, InEvent, Origin | None]  # (arrival, event, origin)
 
 
 Output: TypeAlias = SegmentOut | LateOut | DeadLetterOut
@@ -292,6 +312,8 @@ _Q = struct.Struct("<q")
 _V_EP = b"\x01E"
 _V_SB = b"\x01S"
 _V_CLOCK = b"\x01C"
+_V_HELD = b"\x01H"
+_HELDHDR = struct.Struct("<qqqqqqI")  # arrival, seq, event time, log time, partition, offset
 
 
 def _pstr(s: str) -> bytes:
@@ -389,6 +411,12 @@ class ReorderCore:
         self._dirty_eps: set[_Ep] = set()
         self._next_due = _NEVER  # lower bound of the earliest timer/gap deadline
         self._restored: set[tuple[str, str]] = set()  # keys whose timers are not armed yet
+        self._held: dict[str, list[_Held]] = {}  # sandbox -> events held for the limit
+        self._held_eps: dict[str, set[str]] = {}  # sandbox -> episodes with held events
+        self._held_total = 0
+        self._dirty_held: set[str] = set()
+        self._restored_held: set[str] = set()
+        self._judging = False
         self._buffered = 0
         self._buffered_bytes = 0
         self._c = dict.fromkeys(
@@ -396,7 +424,7 @@ class ReorderCore:
                 "events", "segments", "duplicates", "duplicates_unverified", "conflicts",
                 "gaps", "gap_seqs", "forced_gap_closes", "late", "dead_letters",
                 "episodes_opened", "episodes_closed", "episodes_truncated", "recycled",
-                "idle_truncated", "ignored", "episodes_refused",
+                "idle_truncated", "ignored", "episodes_refused", "held_events",
             ),
             0,
         )
@@ -407,9 +435,13 @@ class ReorderCore:
     def clock_ms(self) -> int:
         return self._clock
 
-    def handle(self, ev: InEvent) -> list[Output]:
-        """Process one event; returns outputs in emission order. Never raises."""
-        if self._restored:
+    def handle(self, ev: InEvent, origin: tuple[Any, ...] | None = None) -> list[Output]:
+        """Process one event; returns outputs in emission order. Never raises.
+
+        ``origin``: the event's source record, a tuple whose first four items are its topic,
+        partition, offset and key (the shell's record tuple); kept with an event held for the
+        per-sandbox limit, for its dead letter."""
+        if self._restored or self._restored_held:
             self._arm_restored()
         try:
             _, sandbox, episode, seq, t, kind, raw, outcome, _, _, log_t = ev
@@ -499,7 +531,7 @@ class ReorderCore:
                 ep = None
                 self._now = self._clock
             out = []
-            self._slow(ev, ep, out)
+            self._slow(ev, ep, out, origin)
             if self._clock >= self._next_due:
                 self._fire(out)
             return out
@@ -509,7 +541,7 @@ class ReorderCore:
     def tick(self, now_ms: int) -> list[Output]:
         """Advance the clock to ``now_ms`` (never backwards) and fire due timeouts."""
         out: list[Output] = []
-        if self._restored:
+        if self._restored or self._restored_held:
             self._arm_restored()
         if now_ms > self._clock:
             self._clock = now_ms
@@ -532,6 +564,7 @@ class ReorderCore:
         c["buffered"] = self._buffered
         c["buffered_bytes"] = self._buffered_bytes
         c["recycled_sandboxes"] = len(self._recycled)
+        c["held"] = self._held_total
         return c
 
     def take_dirty(self) -> dict[str, bytes | None]:
@@ -553,8 +586,12 @@ class ReorderCore:
                 res[episode_key(ep.sandbox, ep.episode)] = self._pack(ep)
             elif ep.key not in self._eps:
                 res[episode_key(ep.sandbox, ep.episode)] = None
+        for sb in self._dirty_held:
+            held = self._held.get(sb)
+            res[HELD_PREFIX + sb] = self._pack_held(sb, held) if held else None
         self._dirty.clear()
         self._dirty_eps.clear()
+        self._dirty_held.clear()
         return dict(sorted(res.items()))
 
     def snapshot(self) -> dict[str, bytes]:
@@ -564,11 +601,20 @@ class ReorderCore:
             res[f"{sb}/"] = _V_SB + _Q.pack(dl) + _pstr(sb)
         for ep in self._eps.values():
             res[episode_key(ep.sandbox, ep.episode)] = self._pack(ep)
+        for sb, held in self._held.items():
+            res[HELD_PREFIX + sb] = self._pack_held(sb, held)
         return dict(sorted(res.items()))
 
     def restore(self, key: str, blob: bytes | None) -> None:
         """Apply one changelog record (the latest per key wins; ``None`` deletes). Raises
         ``ValueError`` on a blob this version cannot read (fail fast at start-up)."""
+        if key.startswith(HELD_PREFIX):
+            try:
+                self._set_held(key[len(HELD_PREFIX):],
+                               None if blob is None else self._unpack_held(blob))
+            except (struct.error, UnicodeDecodeError, IndexError, ValueError) as exc:
+                raise ValueError(f"corrupt reorder state for {key!r}: {exc}") from exc
+            return
         if blob is None:
             if key == CLOCK_KEY:
                 return
@@ -596,7 +642,8 @@ class ReorderCore:
             raise ValueError(f"corrupt reorder state for {key!r}: {exc}") from exc
 
     # -- event processing ------------------------------------------------------------------
-    def _dl(self, ev: InEvent, code: str, reason: str, other: bytes | None = None) -> DeadLetterOut:
+    def _dl(self, ev: InEvent, code: str, reason: str, other: bytes | None = None,
+            origin: Origin | None = None) -> DeadLetterOut:
         self._c["dead_letters"] += 1
         seq = getattr(ev, "seq", -1)
         raw = getattr(ev, "raw", b"")
@@ -605,13 +652,14 @@ class ReorderCore:
             code, reason, bytes(raw) if isinstance(raw, bytes | bytearray) else b"",
             str(getattr(ev, "task", "")), str(getattr(ev, "sandbox", "")),
             episode if isinstance(episode, str) else None, seq if type(seq) is int else -1,
-            other)
+            other, origin)
 
     def _late(self, ep: _Ep, seq: int, raw: bytes, code: str) -> LateOut:
         self._c["late"] += 1
         return LateOut(ep.task, ep.sandbox, ep.episode, seq, raw, code)
 
-    def _slow(self, ev: InEvent, ep: _Ep | None, out: list[Output]) -> None:
+    def _slow(self, ev: InEvent, ep: _Ep | None, out: list[Output],
+              origin: tuple[Any, ...] | None = None) -> None:
         c = self._c
         c["events"] += 1
         if not isinstance(ev.sandbox, str) or not ev.sandbox:
@@ -646,7 +694,8 @@ class ReorderCore:
             return
         if ep is None:
             dl = self._recycled.get(ev.sandbox)
-            if dl is not None and self._clock >= dl:
+            # a held event is judged as on arrival: against the deadline, not today's clock
+            if dl is not None and (self._now if self._judging else self._clock) >= dl:
                 self._c["late"] += 1
                 out.append(LateOut(ev.task, ev.sandbox, ev.episode, seq, ev.raw,
                                    "sandbox_recycled"))
@@ -654,12 +703,18 @@ class ReorderCore:
             if self._max_open and ev.episode is not None:
                 open_eps = self._by_sandbox.get(ev.sandbox, ())
                 n_open = len(open_eps) - (None in open_eps)
+                held_eps = self._held_eps.get(ev.sandbox)
+                if ((n_open >= self._max_open or (held_eps and ev.episode in held_eps))
+                        and self._hold(ev, origin)):
+                    c["events"] -= 1  # counted when judged
+                    return
                 if n_open >= self._max_open:
                     c["episodes_refused"] += 1
                     out.append(self._dl(ev, "too_many_open_episodes", (
                         f"sandbox {ev.sandbox} already has {n_open} open episodes; "
                         f"{ev.episode} would exceed replay.max_open_episodes_per_sandbox="
-                        f"{self._max_open}")))
+                        f"{self._max_open}"),
+                        origin=None if origin is None else (*origin[:4], ev.log_time_ms)))
                     return
             ep = _Ep(ev.task, ev.sandbox, ev.episode, self._now, ev.event_time_ms, self._w)
             self._eps[ep.key] = ep
@@ -729,6 +784,73 @@ class ReorderCore:
             if victim is not None and self._gap_valid(victim, deadline):
                 c["forced_gap_closes"] += 1
                 self._close_gap(victim, out)
+
+    def _hold(self, ev: InEvent, origin: tuple[Any, ...] | None) -> bool:
+        """Hold an event that would open an episode beyond the sandbox's limit while its
+        arrival is ahead of the clock (module docstring, "Per-sandbox limit"); the other
+        events of an episode already held join it, in order. False: judge it now (the clock
+        has reached it, it is being judged, or a bound on held events is reached)."""
+        sb = ev.sandbox
+        held = self._held.get(sb)
+        if self._judging:
+            return False
+        if self._now <= self._clock and not (held and ev.episode in self._held_eps[sb]):
+            return False
+        if ((held is not None and len(held) >= self._max_ep)
+                or self._buffered + self._held_total >= self._max_total):
+            return False
+        if held is None:
+            held = self._held[sb] = []
+            self._held_eps[sb] = set()
+        held.append((self._now, ev, None if origin is None else
+                     (origin[0], origin[1], origin[2], origin[3], ev.log_time_ms)))
+        self._held_eps[sb].add(ev.episode)  # type: ignore[arg-type]
+        self._held_total += 1
+        self._c["held_events"] += 1
+        self._dirty_held.add(sb)
+        self._push_timer(self._now, _TIMER_HELD, (sb, ""))
+        return True
+
+    def _judge(self, sb: str, out: list[Output]) -> None:
+        """Judge the sandbox's held events the clock has reached, in arrival order (a stable
+        sort: the order they were read in among equal arrivals)."""
+        held = self._held.get(sb)
+        if not held:
+            return
+        clock = self._clock
+        # in arrival order, not the order they were held in: the lagging topic's records of
+        # a held episode are held after the leading topic's records of later episodes
+        due = sorted((h for h in held if h[0] <= clock), key=lambda h: h[0])
+        if not due:
+            return
+        self._set_held(sb, [h for h in held if h[0] > clock])
+        now = self._now
+        self._judging = True
+        try:
+            for arrival, ev, origin in due:
+                self._now = arrival
+                n0 = len(out)
+                self._slow(ev, self._eps.get((sb, ev.episode)), out, origin)  # type: ignore[arg-type]
+                if origin is not None:  # its dead letters name its record, not the tick's
+                    for i in range(n0, len(out)):
+                        o = out[i]
+                        if isinstance(o, DeadLetterOut) and o.origin is None and o.raw is ev.raw:
+                            out[i] = o._replace(origin=origin)
+        finally:
+            self._judging = False
+            self._now = now
+
+    def _set_held(self, sb: str, held: list[_Held] | None) -> None:
+        """Replace the sandbox's held events (None/empty: none)."""
+        old = self._held.pop(sb, None)
+        self._held_eps.pop(sb, None)
+        if old:
+            self._held_total -= len(old)
+        if held:
+            self._held[sb] = held
+            self._held_eps[sb] = {h[1].episode for h in held}  # type: ignore[misc]
+            self._held_total += len(held)
+        self._dirty_held.add(sb)
 
     def _old_seq(self, ep: _Ep, ev: InEvent, seq: int, out: list[Output]) -> None:
         """A seq below next_seq: an emitted duplicate, or late for a closed gap."""
@@ -963,9 +1085,11 @@ class ReorderCore:
                     self._dirty.add((sb, None))
                 continue
             ep = eps.get(key)
-            if ep is None:
+            if kind == _TIMER_HELD:
+                self._judge(key[0], out)
+            elif ep is None:
                 continue
-            if kind == _TIMER_TOMBSTONE:
+            elif kind == _TIMER_TOMBSTONE:
                 if ep.closed and ep.expire_at == deadline:
                     self._drop_ep(key)
                     self._dirty.add(key)
@@ -1021,6 +1145,49 @@ class ReorderCore:
             parts.append(_BUFHDR.pack(s, t, dig, len(raw)))
             parts.append(raw)
         return b"".join(parts)
+
+    def _pack_held(self, sb: str, held: list[_Held]) -> bytes:
+        parts = [_V_HELD, _pstr(sb), _STR.pack(len(held))]
+        for arrival, ev, origin in held:
+            topic, partition, offset, key = ("", -1, -1, None) if origin is None else origin[:4]
+            parts += [
+                _HELDHDR.pack(arrival, ev.seq, ev.event_time_ms, ev.log_time_ms, partition,
+                              offset, len(ev.raw)),
+                ev.raw, _pstr(ev.task), _pstr(ev.episode or ""), _pstr(ev.kind),
+                _pstr(ev.outcome or ""), _pstr(topic),
+                _STR.pack(0) if key is None else _STR.pack(len(key) + 1) + key,
+            ]
+        return b"".join(parts)
+
+    def _unpack_held(self, blob: bytes) -> list[_Held]:
+        if blob[:2] != _V_HELD:
+            raise ValueError(f"unknown blob tag {blob[:2]!r}")
+        sb, off = _ustr(blob, 2)
+        (n,) = _STR.unpack_from(blob, off)
+        off += 4
+        held: list[_Held] = []
+        for _ in range(n):
+            arrival, seq, t, log_t, partition, offset, nraw = _HELDHDR.unpack_from(blob, off)
+            off += _HELDHDR.size
+            raw = blob[off : off + nraw]
+            off += nraw
+            task, off = _ustr(blob, off)
+            episode, off = _ustr(blob, off)
+            kind, off = _ustr(blob, off)
+            outcome, off = _ustr(blob, off)
+            topic, off = _ustr(blob, off)
+            (nkey,) = _STR.unpack_from(blob, off)
+            off += 4
+            key = None if nkey == 0 else blob[off : off + nkey - 1]
+            off += max(0, nkey - 1)
+            ev = InEvent(task, sb, episode, seq, t, kind, raw, outcome or None,
+                         log_time_ms=log_t)
+            held.append((arrival, ev, None if partition < 0 else
+                         (topic, partition, offset, key, log_t)))
+        if off != len(blob):
+            raise ValueError("held-events blob has the wrong length")
+        self._restored_held.add(sb)
+        return held
 
     def _unpack(self, blob: bytes) -> None:
         off = 2
@@ -1101,6 +1268,10 @@ class ReorderCore:
             if self._idle is not None:
                 self._push_timer(ep.active + self._idle, _TIMER_IDLE, key)
         self._restored.clear()
+        for sb in sorted(self._restored_held):
+            for arrival, _, _ in self._held.get(sb, ()):
+                self._push_timer(arrival, _TIMER_HELD, (sb, ""))
+        self._restored_held.clear()
 
 
 # -- ReplaySegment builders ------------------------------------------------------------------
