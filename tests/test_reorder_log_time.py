@@ -20,6 +20,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+import pytest
+
 from trajbus.bus.settings import ReplaySettings, Settings
 from trajbus.consumers.engine.processors import ReorderProcessor
 from trajbus.consumers.engine.runner import InRecord, OutRecord
@@ -342,3 +344,12 @@ def test_held_events_survive_a_restore_with_the_same_decisions_and_timers() -> N
     assert {g: second.core.counters()[g] for g in gauges} == {
         g: whole.core.counters()[g] for g in gauges}
     assert len(second.core._timers) == len(whole.core._timers)
+
+
+def test_a_corrupt_held_events_record_fails_the_restore_with_its_key() -> None:
+    """A changelog record of held events this version cannot read stops the restore (the
+    worker fails fast at start-up) and names the key, like a corrupt episode record."""
+    p = limited()
+    for blob in (b"\x01Hgarbage", b"\x09Hx", b"\x01H" + b"\x00" * 3):
+        with pytest.raises(ValueError, match="@held/sb-1"):
+            p.restore("@held/sb-1", blob)

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from support import Worker, make_episodes, produce, settings_for, shuffled_with_
 from trajbus.bus.admin import ensure_base_topics
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
+from trajbus.consumers.operator.deadletters import read_dead_letters
 from trajbus.consumers.replay.client import ReplayClient
 from trajbus.schemas.codec import default_codec
 
@@ -74,9 +76,12 @@ async def _drain_backlog(settings: Settings, name: str, produce_backlog: Any,
             await asyncio.wait_for(loop(), 300)
         except TimeoutError:
             missing = sorted(set(expected) - set(got))
+            dls = await read_dead_letters(settings)
+            reasons = Counter(f"{d.stage}/{d.reason_code}" for d in dls)
             raise AssertionError(
                 f"the trainer holds {len(got)} of {len(expected)} episodes after 300 s; "
-                f"missing e.g. {missing[:5]}") from None
+                f"missing e.g. {missing[:5]}; dead letters: {dict(reasons) or 'none'}"
+                + "".join(f"\n  {d.reason}" for d in dls[:3])) from None
         took = time.monotonic() - t0
     return took, got
 

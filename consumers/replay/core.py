@@ -610,8 +610,10 @@ class ReorderCore:
         ``ValueError`` on a blob this version cannot read (fail fast at start-up)."""
         if key.startswith(HELD_PREFIX):
             try:
-                self._set_held(key[len(HELD_PREFIX):],
-                               None if blob is None else self._unpack_held(blob))
+                sb = key[len(HELD_PREFIX):]
+                self._set_held(sb, None if blob is None else self._unpack_held(blob),
+                               dirty=False)
+                self._restored_held.add(sb)
             except (struct.error, UnicodeDecodeError, IndexError, ValueError) as exc:
                 raise ValueError(f"corrupt reorder state for {key!r}: {exc}") from exc
             return
@@ -840,7 +842,7 @@ class ReorderCore:
             self._judging = False
             self._now = now
 
-    def _set_held(self, sb: str, held: list[_Held] | None) -> None:
+    def _set_held(self, sb: str, held: list[_Held] | None, dirty: bool = True) -> None:
         """Replace the sandbox's held events (None/empty: none)."""
         old = self._held.pop(sb, None)
         self._held_eps.pop(sb, None)
@@ -850,7 +852,8 @@ class ReorderCore:
             self._held[sb] = held
             self._held_eps[sb] = {h[1].episode for h in held}  # type: ignore[misc]
             self._held_total += len(held)
-        self._dirty_held.add(sb)
+        if dirty:
+            self._dirty_held.add(sb)
 
     def _old_seq(self, ep: _Ep, ev: InEvent, seq: int, out: list[Output]) -> None:
         """A seq below next_seq: an emitted duplicate, or late for a closed gap."""
@@ -1186,7 +1189,6 @@ class ReorderCore:
                          (topic, partition, offset, key, log_t)))
         if off != len(blob):
             raise ValueError("held-events blob has the wrong length")
-        self._restored_held.add(sb)
         return held
 
     def _unpack(self, blob: bytes) -> None:
