@@ -282,10 +282,15 @@ def test_a_lagging_topic_does_not_make_a_sandbox_look_over_its_open_episode_limi
     stalled, as under load). Read that way, the sandbox seems to have 20 episodes open at once,
     far over its limit of 3 -- but never more than one was open in the log. Every episode is
     replayed whole; nothing is dead-lettered."""
+    from trajbus.consumers.engine import metrics
+
     log = Log()
     events, chunks = sequential_episodes(log, 20, T0, every=100)
     p = limited()
-    outs = feed(p, [*events, *chunks])
+    outs = feed(p, [*events, chunks[0]])  # the chunks topic's first tick: the clock at T0
+    assert metrics.REORDER_HELD._value.get() > 0  # the operator's view: events are held
+    outs += feed(p, chunks[1:])
+    assert metrics.REORDER_HELD._value.get() == 0
     assert dead_letters(outs) == []
     assert delivered(outs) == {f"ep-{i}": [0, 1, 2] for i in range(20)}
     counters = p.core.counters()

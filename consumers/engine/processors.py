@@ -120,7 +120,7 @@ class ReorderProcessor(_Adapter):
             if all(topic in self.watermarks for topic in self.inputs):
                 now = min(self.watermarks[topic] for topic in self.inputs)
                 self._convert(self.core.tick(now), outs, None, merger)
-                metrics.REORDER_BUFFERED.set(self.core.counters().get("buffered", 0))
+                self._gauges()
             return
         if kind not in _REORDERED:
             return
@@ -175,8 +175,14 @@ class ReorderProcessor(_Adapter):
     def tick(self, now_ms: int) -> list[OutRecord]:
         outs: list[OutRecord] = []
         self._convert(self.core.tick(now_ms), outs, None)
-        metrics.REORDER_BUFFERED.set(self.core.counters().get("buffered", 0))  # once a tick
+        self._gauges()
         return outs
+
+    def _gauges(self) -> None:
+        """Once a tick: the core's buffered and held events."""
+        counters = self.core.counters()
+        metrics.REORDER_BUFFERED.set(counters.get("buffered", 0))
+        metrics.REORDER_HELD.set(counters.get("held", 0))
 
     def _segment(self, seg: Any) -> OutRecord:
         value = self.codec.encode("ReplaySegment", segment_record(seg, self.producer_id))
