@@ -358,3 +358,75 @@ def test_a_corrupt_held_events_record_fails_the_restore_with_its_key() -> None:
     for blob in (b"\x01Hgarbage", b"\x09Hx", b"\x01H" + b"\x00" * 3):
         with pytest.raises(ValueError, match="@held/sb-1"):
             p.restore("@held/sb-1", blob)
+
+
+# -- held events, at the core: order among a sandbox's episodes ------------------------------
+def _core(limit: int) -> Any:
+    from trajbus.consumers.replay.core import ReorderCore
+
+    return ReorderCore(ReplaySettings(gap_timeout_ms=1000, max_open_episodes_per_sandbox=limit),
+                       event_time_clock=False)
+
+
+def _ev(episode: str, seq: int, log_time: int, end: bool = False) -> Any:
+    from trajbus.consumers.replay.core import InEvent
+
+    kind = "EpisodeStart" if seq == 0 else "EpisodeEnd" if end else "ToolCall"
+    return InEvent("task-a", "sb-1", episode, seq, log_time, kind, f"{episode}/{seq}".encode(),
+                   "TERMINAL" if end else None, log_time_ms=log_time)
+
+
+def _verdicts(outs: list[Any]) -> list[tuple[str, str, int]]:
+    from trajbus.consumers.replay.core import DeadLetterOut, SegmentOut
+
+    return [("segment" if isinstance(o, SegmentOut) else o.reason_code
+             if isinstance(o, DeadLetterOut) else "late", o.episode,
+             o.first_seq if isinstance(o, SegmentOut) else o.seq) for o in outs]
+
+
+def test_a_later_episode_does_not_take_the_slot_of_an_earlier_held_one() -> None:
+    """Limit 1, the events topic read ahead: ep1 (log time 2 s) is held while ep0 looks open;
+    ep0's end (1.01 s) frees the slot, then ep2 (3 s) arrives. ep1 came first in the log, so
+    ep2 queues behind it: all three episodes are replayed, one open at a time."""
+    c = _core(limit=1)
+    c.tick(1000)
+    outs = []
+    for ev in (_ev("ep0", 0, 1000), _ev("ep1", 0, 2000), _ev("ep0", 1, 1010, end=True),
+               _ev("ep2", 0, 3000), _ev("ep1", 1, 2010, end=True)):
+        outs += c.handle(ev)
+    outs += c.tick(2500)  # ep1 is judged while ep2 has begun (and not ended)
+    outs += c.handle(_ev("ep2", 1, 3010, end=True)) + c.tick(5000)
+    assert sorted(_verdicts(outs)) == [("segment", ep, s) for ep in ("ep0", "ep1", "ep2")
+                                       for s in (0, 1)]
+
+
+def test_an_episode_is_judged_as_one_whatever_the_log_times_of_its_events() -> None:
+    """ep1's seq 1 was written (1.5 s) before its seq 0 (2 s), read after it: it joins its held
+    episode and is judged with it, never refused on its own while seq 0 is admitted."""
+    c = _core(limit=1)
+    c.tick(1000)
+    outs = c.handle(_ev("epA", 0, 1000)) + c.handle(_ev("ep1", 0, 2000))
+    outs += c.tick(1600) + c.handle(_ev("ep1", 1, 1500))
+    outs += c.handle(_ev("epA", 1, 1700, end=True)) + c.tick(2100)
+    outs += c.handle(_ev("ep1", 2, 2200, end=True)) + c.tick(3000)
+    assert [v for v in _verdicts(outs) if v[1] == "ep1"] == [
+        ("segment", "ep1", 0), ("segment", "ep1", 1), ("segment", "ep1", 2)]
+
+
+def test_a_drained_final_seq_of_a_held_episode_is_applied_when_it_is_admitted() -> None:
+    """A sandbox drains while its second episode is held: the Drained's final seq for it is
+    held too and applied once the episode is admitted, which then ends truncated instead of
+    staying open (and taking the sandbox's one slot) until the idle timeout."""
+    from trajbus.consumers.replay.core import InEvent
+
+    c = _core(limit=1)
+    c.tick(1000)
+    outs = c.handle(_ev("ep0", 0, 1000)) + c.handle(_ev("ep1", 0, 2000))
+    outs += c.handle(_ev("ep1", 1, 2001))
+    drained = InEvent("task-a", "sb-1", None, 7, 2100, "Drained", b"drained", None,
+                      final_seqs=(("ep1", 1),), log_time_ms=2100)
+    outs += c.handle(drained)
+    outs += c.handle(_ev("ep0", 1, 1010, end=True)) + c.tick(3000)
+    ends = [o for o in outs if getattr(o, "is_last", False)]
+    assert [(o.episode, o.is_terminal) for o in ends] == [("ep0", True), ("ep1", False)]
+    assert c.counters()["episodes_open"] == 0

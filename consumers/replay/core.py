@@ -313,7 +313,11 @@ _V_EP = b"\x01E"
 _V_SB = b"\x01S"
 _V_CLOCK = b"\x01C"
 _V_HELD = b"\x01H"
-_HELDHDR = struct.Struct("<qqqqqqI")  # arrival, seq, event time, log time, partition, offset
+# arrival, seq, event time, log time, partition, offset, raw length, flags (_HELD_*)
+_HELDHDR = struct.Struct("<qqqqqqIB")
+_HELD_NO_EPISODE = 1
+_HELD_OUTCOME = 2
+_HELD_OVERHEAD = 256  # changelog bytes of a held event besides its raw bytes (an upper bound)
 
 
 def _pstr(s: str) -> bytes:
@@ -328,6 +332,17 @@ def _ustr(blob: bytes, off: int) -> tuple[str, int]:
 
 
 _tnew = tuple.__new__
+_I64 = range(-(2**63), 2**63)
+
+
+def _packable(ev: InEvent) -> bool:
+    """Whether a held event's fields fit its changelog record (hand-built events may not)."""
+    return (type(ev.task) is str and type(ev.kind) is str
+            and (ev.outcome is None or type(ev.outcome) is str)
+            and type(ev.log_time_ms) is int and type(ev.event_time_ms) is int
+            and type(ev.seq) is int
+            and ev.seq in _I64 and ev.event_time_ms in _I64 and ev.log_time_ms in _I64
+            and all(type(e) is str and type(f) is int and f in _I64 for e, f in ev.final_seqs))
 
 
 def _classify(ev: object) -> str:
@@ -412,7 +427,9 @@ class ReorderCore:
         self._next_due = _NEVER  # lower bound of the earliest timer/gap deadline
         self._restored: set[tuple[str, str]] = set()  # keys whose timers are not armed yet
         self._held: dict[str, list[_Held]] = {}  # sandbox -> events held for the limit
-        self._held_eps: dict[str, set[str]] = {}  # sandbox -> episodes with held events
+        # sandbox -> {episode with held events: the arrival its events are judged at}
+        self._held_eps: dict[str, dict[str, int]] = {}
+        self._held_bytes: dict[str, int] = {}  # sandbox -> its held events' changelog bytes
         self._held_total = 0
         self._dirty_held: set[str] = set()
         self._restored_held: set[str] = set()
@@ -467,7 +484,8 @@ class ReorderCore:
                     idx = ep.seg_index
                     ep.seg_index = idx + 1
                     ep.last_time = t
-                    ep.active = now
+                    if now > ep.active:  # never backwards: log times of two topics interleave
+                        ep.active = now
                     self._dirty_eps.add(ep)
                     self._n_fast += 1
                     out: list[Output] = [
@@ -498,7 +516,8 @@ class ReorderCore:
                     self._now = now  # the drain / buffer below may (re)arm a stall timer
                     if seq == ep.next_seq:  # (buf is not None: else the fast path took it)
                         self._c["events"] += 1
-                        ep.active = now
+                        if now > ep.active:
+                            ep.active = now
                         self._dirty_eps.add(ep)
                         out = []
                         self._drain(ep, out, None, (raw, content_digest(raw), t))
@@ -512,7 +531,8 @@ class ReorderCore:
                         and self._buffered < self._max_total
                     ):  # buffer it (no bound is reached: nothing to force-close)
                         self._c["events"] += 1
-                        ep.active = now
+                        if now > ep.active:
+                            ep.active = now
                         self._dirty_eps.add(ep)
                         if buf is None:
                             buf = ep.buf = {}
@@ -706,8 +726,8 @@ class ReorderCore:
                 open_eps = self._by_sandbox.get(ev.sandbox, ())
                 n_open = len(open_eps) - (None in open_eps)
                 held_eps = self._held_eps.get(ev.sandbox)
-                if ((n_open >= self._max_open or (held_eps and ev.episode in held_eps))
-                        and self._hold(ev, origin)):
+                # held events of the sandbox come first (in log time): hold behind them
+                if (n_open >= self._max_open or held_eps) and self._hold(ev, origin):
                     c["events"] -= 1  # counted when judged
                     return
                 if n_open >= self._max_open:
@@ -742,7 +762,8 @@ class ReorderCore:
             what = "EpisodeEnd" if ep.end_seq >= 0 else "drained final seq"
             out.append(self._dl(ev, "seq_after_end", f"seq {seq} after the {what} at {ep.stop}"))
             return
-        ep.active = self._now
+        if self._now > ep.active:
+            ep.active = self._now
         self._dirty_eps.add(ep)
         if is_end:
             if ep.end_seq >= 0 and seq != ep.end_seq:
@@ -788,34 +809,61 @@ class ReorderCore:
                 self._close_gap(victim, out)
 
     def _hold(self, ev: InEvent, origin: tuple[Any, ...] | None) -> bool:
-        """Hold an event that would open an episode beyond the sandbox's limit while its
-        arrival is ahead of the clock (module docstring, "Per-sandbox limit"); the other
-        events of an episode already held join it, in order. False: judge it now (the clock
-        has reached it, it is being judged, or a bound on held events is reached)."""
-        sb = ev.sandbox
-        held = self._held.get(sb)
+        """Hold an event that would open an episode beyond the sandbox's limit, or that comes
+        after held events of its sandbox, while its arrival is ahead of the clock (module
+        docstring, "Per-sandbox limit"). An event of an episode already held is judged with
+        it: at the later of its own arrival and the episode's. False: judge it now (the clock
+        has reached it, it is being judged, a bound on held events is reached, or it could
+        not be persisted)."""
         if self._judging:
             return False
-        if self._now <= self._clock and not (held and ev.episode in self._held_eps[sb]):
+        sb = ev.sandbox
+        eps = self._held_eps.get(sb)
+        first = eps.get(ev.episode) if eps else None  # type: ignore[arg-type]
+        at = self._now if first is None or first < self._now else first
+        if at <= self._clock:
             return False
-        if ((held is not None and len(held) >= self._max_ep)
+        held = self._held.get(sb)
+        if (not _packable(ev) or (held is not None and len(held) >= self._max_ep)
+                or self._held_bytes.get(sb, 0) + len(ev.raw) + _HELD_OVERHEAD
+                > self._max_ep_bytes
                 or self._buffered + self._held_total >= self._max_total):
             return False
+        self._hold_entry(sb, at, ev, None if origin is None else
+                         (origin[0], origin[1], origin[2], origin[3], ev.log_time_ms))
+        return True
+
+    def _hold_drained(self, ev: InEvent) -> InEvent:
+        """A Drained's final seqs of held episodes are held too, judged after those
+        episodes' events; returns the Drained with the rest, to apply now."""
+        eps = self._held_eps.get(ev.sandbox)
+        if not eps or self._judging or not _packable(ev):
+            return ev
+        later = tuple(f for f in ev.final_seqs if f[0] in eps)
+        if not later:
+            return ev
+        at = max(self._now, *(eps[episode] for episode, _ in later))
+        self._hold_entry(ev.sandbox, at, ev._replace(final_seqs=later), None)
+        return ev._replace(final_seqs=tuple(f for f in ev.final_seqs if f[0] not in eps))
+
+    def _hold_entry(self, sb: str, at: int, ev: InEvent, origin: Origin | None) -> None:
+        held = self._held.get(sb)
         if held is None:
             held = self._held[sb] = []
-            self._held_eps[sb] = set()
-        held.append((self._now, ev, None if origin is None else
-                     (origin[0], origin[1], origin[2], origin[3], ev.log_time_ms)))
-        self._held_eps[sb].add(ev.episode)  # type: ignore[arg-type]
+            self._held_eps[sb] = {}
+            self._held_bytes[sb] = 0
+        held.append((at, ev, origin))
+        if ev.episode is not None:
+            self._held_eps[sb].setdefault(ev.episode, at)
+        self._held_bytes[sb] += len(ev.raw) + _HELD_OVERHEAD
         self._held_total += 1
         self._c["held_events"] += 1
         self._dirty_held.add(sb)
-        self._push_timer(self._now, _TIMER_HELD, (sb, ""))
-        return True
+        self._push_timer(at, _TIMER_HELD, (sb, ""))
 
     def _judge(self, sb: str, out: list[Output]) -> None:
         """Judge the sandbox's held events the clock has reached, in arrival order (a stable
-        sort: the order they were read in among equal arrivals)."""
+        sort: the order they were held in among equal arrivals)."""
         held = self._held.get(sb)
         if not held:
             return
@@ -832,6 +880,8 @@ class ReorderCore:
             for arrival, ev, origin in due:
                 self._now = arrival
                 n0 = len(out)
+                if ev.episode is None:  # a Drained's held part: the event was counted
+                    self._c["events"] -= 1
                 self._slow(ev, self._eps.get((sb, ev.episode)), out, origin)  # type: ignore[arg-type]
                 if origin is not None:  # its dead letters name its record, not the tick's
                     for i in range(n0, len(out)):
@@ -846,11 +896,17 @@ class ReorderCore:
         """Replace the sandbox's held events (None/empty: none)."""
         old = self._held.pop(sb, None)
         self._held_eps.pop(sb, None)
+        self._held_bytes.pop(sb, None)
         if old:
             self._held_total -= len(old)
         if held:
             self._held[sb] = held
-            self._held_eps[sb] = {h[1].episode for h in held}  # type: ignore[misc]
+            eps: dict[str, int] = {}
+            for at, ev, _ in held:
+                if ev.episode is not None and at < eps.get(ev.episode, _NEVER):
+                    eps[ev.episode] = at
+            self._held_eps[sb] = eps
+            self._held_bytes[sb] = sum(len(h[1].raw) + _HELD_OVERHEAD for h in held)
             self._held_total += len(held)
         if dirty:
             self._dirty_held.add(sb)
@@ -895,6 +951,7 @@ class ReorderCore:
                     self._dirty_eps.add(rec)
                     self._push_timer(dl, _TIMER_RECYCLE, rec.key)
         elif ev.kind == "Drained" and ev.final_seqs:
+            ev = self._hold_drained(ev)
             for episode, final in sorted(ev.final_seqs):
                 ep = self._eps.get((sb, episode))
                 if ep is None or ep.closed or ep.end_seq >= 0 or type(final) is not int:
@@ -1153,13 +1210,18 @@ class ReorderCore:
         parts = [_V_HELD, _pstr(sb), _STR.pack(len(held))]
         for arrival, ev, origin in held:
             topic, partition, offset, key = ("", -1, -1, None) if origin is None else origin[:4]
+            flags = ((_HELD_NO_EPISODE if ev.episode is None else 0)
+                     | (_HELD_OUTCOME if ev.outcome is not None else 0))
             parts += [
                 _HELDHDR.pack(arrival, ev.seq, ev.event_time_ms, ev.log_time_ms, partition,
-                              offset, len(ev.raw)),
+                              offset, len(ev.raw), flags),
                 ev.raw, _pstr(ev.task), _pstr(ev.episode or ""), _pstr(ev.kind),
                 _pstr(ev.outcome or ""), _pstr(topic),
                 _STR.pack(0) if key is None else _STR.pack(len(key) + 1) + key,
+                _STR.pack(len(ev.final_seqs)),
             ]
+            for episode, final in ev.final_seqs:
+                parts += [_pstr(episode), _Q.pack(final)]
         return b"".join(parts)
 
     def _unpack_held(self, blob: bytes) -> list[_Held]:
@@ -1170,7 +1232,8 @@ class ReorderCore:
         off += 4
         held: list[_Held] = []
         for _ in range(n):
-            arrival, seq, t, log_t, partition, offset, nraw = _HELDHDR.unpack_from(blob, off)
+            (arrival, seq, t, log_t, partition, offset, nraw, flags
+             ) = _HELDHDR.unpack_from(blob, off)
             off += _HELDHDR.size
             raw = blob[off : off + nraw]
             off += nraw
@@ -1183,8 +1246,18 @@ class ReorderCore:
             off += 4
             key = None if nkey == 0 else blob[off : off + nkey - 1]
             off += max(0, nkey - 1)
-            ev = InEvent(task, sb, episode, seq, t, kind, raw, outcome or None,
-                         log_time_ms=log_t)
+            (nfinal,) = _STR.unpack_from(blob, off)
+            off += 4
+            finals = []
+            for _ in range(nfinal):
+                fep, off = _ustr(blob, off)
+                finals.append((fep, _Q.unpack_from(blob, off)[0]))
+                off += 8
+            if len(raw) != nraw:
+                raise ValueError("held-events blob is cut short")
+            ev = InEvent(task, sb, None if flags & _HELD_NO_EPISODE else episode, seq, t, kind,
+                         raw, outcome if flags & _HELD_OUTCOME else None,
+                         final_seqs=tuple(finals), log_time_ms=log_t)
             held.append((arrival, ev, None if partition < 0 else
                          (topic, partition, offset, key, log_t)))
         if off != len(blob):
