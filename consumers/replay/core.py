@@ -72,11 +72,14 @@ Guarantees (per episode, keyed by ``(sandbox, episode)``):
   ahead of the clock is **held** (counters ``held_events``, gauge ``held``) and judged when
   the clock reaches it. Episodes look open while another input topic lags (their ends and
   middle events are in its unread part); judged at once, a sandbox's ordinary episodes would
-  be refused because the worker read one topic ahead of the other. A held event is judged
-  exactly as on arrival (the same recycle deadline and limit), its dead letter names its
-  source record (``DeadLetterOut.origin``). Held events of a sandbox are bounded by
-  ``max_buffered_per_episode`` and count towards ``max_buffered_total``; beyond a bound an
-  event is judged at once.
+  be refused because the worker read one topic ahead of the other. Held events are judged in
+  arrival order; while a sandbox has held events, its new episodes queue behind them (a slot
+  freed meanwhile goes to the earliest); an episode is judged as one, at its first held
+  arrival (its other events join it), and a ``Drained``'s final seq for a held episode is held
+  with it. A held event is judged as on arrival (the same recycle deadline and limit); its
+  dead letter names its source record (``DeadLetterOut.origin``). Held events of a sandbox
+  are bounded by ``max_buffered_per_episode`` (count) and ``max_buffered_bytes_per_episode``
+  (bytes) and count towards ``max_buffered_total``; beyond a bound an event is judged at once.
 * **Bad input never raises**: it becomes a :class:`DeadLetterOut` with a stable
   ``reason_code`` (``invalid_seq``, ``missing_episode``, ``missing_sandbox``,
   ``invalid_event``, ``bad_start_seq``, ``missing_outcome``, ``seq_after_end``,
