@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from aiokafka.admin import AIOKafkaAdminClient
 
+from trajbus.bus.reconnect import install as install_reconnect_backoff
 from trajbus.bus.settings import KafkaSettings
 
 log = logging.getLogger("trajbus.kafka")
@@ -32,7 +33,9 @@ class BrokerAuthenticationError(BrokerUnavailableError):
 
 
 def connection_options(k: KafkaSettings) -> dict[str, Any]:
-    """Options common to aiokafka producers, consumers and admin clients."""
+    """Options common to aiokafka producers, consumers and admin clients. Building them also
+    applies the reconnect backoff to the process's aiokafka clients (``bus/reconnect.py``)."""
+    install_reconnect_backoff(k.reconnect_backoff_ms, k.reconnect_backoff_max_ms)
     opts: dict[str, Any] = {
         "bootstrap_servers": k.bootstrap_servers,
         "security_protocol": k.security_protocol,

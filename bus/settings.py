@@ -57,6 +57,12 @@ class KafkaSettings(BaseModel):
     # partition of a worker for ~0.5-0.6 s now and then (bench/bench_rebalance.py; RELIABILITY
     # finding W); 100 ms bounds it, for a few more fetches a second of idle partitions.
     fetch_max_wait_ms: int = Field(default=100, ge=0, le=500)
+    # After a failed connection to a broker, the next attempt to that address waits this long,
+    # doubling per consecutive failure up to the max (+-20 %), as Kafka's own clients do
+    # (reconnect.backoff.ms / .max.ms). aiokafka has none: during an outage a worker retried
+    # ~185 connections a second (trajbus.bus.reconnect, RELIABILITY finding Z). 0 turns it off.
+    reconnect_backoff_ms: int = Field(default=50, ge=0, le=10_000)
+    reconnect_backoff_max_ms: int = Field(default=1_000, ge=0, le=60_000)
 
     @model_validator(mode="after")
     def _heartbeat_within_session(self) -> KafkaSettings:
