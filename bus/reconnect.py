@@ -3,30 +3,36 @@
 aiokafka 0.14 has no ``reconnect.backoff.ms``: while a broker is away, every routine of every
 client (the metadata synchronizer, the fetcher, the producer's sender, the group coordinator
 look-up) opens a new connection on each of its retries, and each failure wakes the metadata
-synchronizer for one more. An idle worker of three processors measured ~185 connection
-attempts a second during an outage (RELIABILITY finding Z; aio-libs/aiokafka#496 and the
-unmerged #1014 describe the same).
+synchronizer for one more. An idle worker of three processors made ~190 connection attempts
+a second during an outage (RELIABILITY finding Z; aio-libs/aiokafka#496 and the unmerged
+#1014 describe the same).
 
 With :func:`install`, a connection to a broker address that just failed is not attempted
 again before a backoff: ``reconnect_backoff_ms`` after the first failure, doubling with each
 consecutive failure up to ``reconnect_backoff_max_ms``, each delay drawn within +-20 % so that
-clients do not retry in step; one success resets it. The state is per address and shared by
-every aiokafka client of the process (one broker address, one backoff).
+clients do not retry in step; one success resets it. While an address is failing, one attempt
+to it is in flight at a time. The state is per address and shared by every aiokafka client of
+the process (one broker address, one backoff); the settings of the latest client built win.
 
 Guarantee: only *when* a connection is attempted changes, never what is sent or committed. A
-connection asked for during the backoff is answered "node not ready", which every aiokafka
-caller already handles as a failed connection (it retries after its ``retry_backoff_ms``), so
-the clients' behaviour during an outage is the same, with ~10x fewer connection attempts; a
-broker that comes back is reconnected to within ``reconnect_backoff_max_ms`` (+20 %).
+connection asked for during the backoff is answered "node not ready", as a failed attempt
+would be: aiokafka's long-running routines (fetcher, sender, group coordinator, metadata)
+retry it after their ``retry_backoff_ms``; a one-shot admin request fails as it would have
+failed on a refused connection. A broker that comes back is reconnected to within
+``reconnect_backoff_max_ms`` (+20 %). The idle worker above: ~1.2 attempts a second.
 
-The backoff arithmetic is :class:`ReconnectBackoff` (time passed in, no clock inside);
-:func:`install` wraps ``AIOKafkaClient._get_conn`` once per process and is idempotent.
+The backoff arithmetic is :class:`ReconnectBackoff` (time passed in, no clock inside).
+:func:`install` wraps aiokafka's ``create_conn`` (every attempt, bootstrap included, records
+its outcome) and ``AIOKafkaClient._get_conn`` (where an attempt may be refused), once per
+process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,23 +40,28 @@ from typing import Any
 log = logging.getLogger("trajbus.kafka")
 
 JITTER = 0.2  # Kafka's clients: each backoff is drawn within +-20 % of its nominal value
+Address = tuple[str, int]
 
 
 @dataclass
 class _AddressState:
     failures: int = 0
     retry_at: float = 0.0
+    in_flight: int = 0
 
 
 class ReconnectBackoff:
-    """Per-address exponential backoff of connection attempts. Pure: ``now`` is passed in."""
+    """Per-address exponential backoff of connection attempts. Pure: ``now`` is passed in.
+
+    An address with no failure on record is never held back (clients connect at once and
+    side by side, as without the backoff)."""
 
     def __init__(self, base_s: float = 0.05, max_s: float = 1.0,
                  rng: random.Random | None = None) -> None:
         self.base_s = base_s
         self.max_s = max_s
         self._rng = rng or random.Random()
-        self._addresses: dict[tuple[str, int], _AddressState] = {}
+        self._addresses: dict[Address, _AddressState] = {}
         self.refused = 0  # attempts answered "not ready" without a connection
         self.failed_attempts = 0
 
@@ -64,14 +75,26 @@ class ReconnectBackoff:
             return 0.0
         return min(self.max_s, self.base_s * 2 ** min(failures - 1, 30))
 
-    def may_connect(self, address: tuple[str, int], now: float) -> bool:
+    def may_connect(self, address: Address, now: float) -> bool:
+        """Whether an attempt may start now: no failure on record, or the backoff has passed
+        and no other attempt to the failing address is in flight."""
         state = self._addresses.get(address)
-        if state is None or now >= state.retry_at:
+        if state is None or (state.in_flight == 0 and now >= state.retry_at):
             return True
         self.refused += 1
         return False
 
-    def failed(self, address: tuple[str, int], now: float) -> float:
+    def begin(self, address: Address) -> None:
+        state = self._addresses.get(address)
+        if state is not None:
+            state.in_flight += 1
+
+    def end(self, address: Address) -> None:
+        state = self._addresses.get(address)
+        if state is not None and state.in_flight > 0:
+            state.in_flight -= 1
+
+    def failed(self, address: Address, now: float) -> float:
         """Record a failed attempt; returns the delay before the next one may be made."""
         state = self._addresses.setdefault(address, _AddressState())
         state.failures += 1
@@ -80,33 +103,54 @@ class ReconnectBackoff:
         state.retry_at = now + delay
         return delay
 
-    def succeeded(self, address: tuple[str, int]) -> None:
+    def succeeded(self, address: Address) -> None:
         self._addresses.pop(address, None)
 
-    def failures(self, address: tuple[str, int]) -> int:
+    def failures(self, address: Address) -> int:
         state = self._addresses.get(address)
         return state.failures if state is not None else 0
 
 
 BACKOFF = ReconnectBackoff()
+_install_lock = threading.Lock()
 _installed = False
 
 
 def install(base_ms: int, max_ms: int) -> None:
-    """Apply the backoff to every aiokafka client of this process (idempotent; the latest
-    settings win). ``base_ms`` 0 turns it off."""
+    """Apply the backoff to every aiokafka client of this process (idempotent and
+    thread-safe; the latest settings win). ``base_ms`` 0 turns it off."""
     global _installed
     BACKOFF.configure(base_ms / 1000, max_ms / 1000)
     if _installed:
         return
+    with _install_lock:
+        if not _installed:
+            _wrap_aiokafka()
+            _installed = True
+
+
+def _wrap_aiokafka() -> None:
+    import aiokafka.client as client_module
     from aiokafka.client import AIOKafkaClient, ConnectionGroup
 
-    original = getattr(AIOKafkaClient, "_get_conn", None)
-    if original is None or not callable(original):
-        log.warning("aiokafka %s has no AIOKafkaClient._get_conn: the reconnect backoff is not "
-                    "applied", _aiokafka_version())
-        _installed = True
+    original_create = getattr(client_module, "create_conn", None)
+    original_get = getattr(AIOKafkaClient, "_get_conn", None)
+    if not (callable(original_create) and callable(original_get)):
+        log.warning("aiokafka %s has no create_conn or AIOKafkaClient._get_conn: the reconnect "
+                    "backoff is not applied", _aiokafka_version())
         return
+
+    async def create_conn(host: str, port: int, *args: Any, **kwargs: Any) -> Any:
+        """Every attempt (bootstrap included) records its outcome for its address."""
+        try:
+            conn = await original_create(host, port, *args, **kwargs)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            BACKOFF.failed((host, port), time.monotonic())
+            raise
+        BACKOFF.succeeded((host, port))
+        return conn
 
     async def _get_conn(self: Any, node_id: Any, **kwargs: Any) -> Any:
         conn = self._conns.get((node_id, kwargs.get("group", ConnectionGroup.DEFAULT)))
@@ -114,20 +158,20 @@ def install(base_ms: int, max_ms: int) -> None:
             return conn  # the hot path: no clock read, no state
         broker = self.cluster.broker_metadata(node_id)
         if broker is None or BACKOFF.base_s <= 0:
-            return await original(self, node_id, **kwargs)
+            return await original_get(self, node_id, **kwargs)
         address = (broker.host, broker.port)
         if not BACKOFF.may_connect(address, time.monotonic()):
-            return None
-        conn = await original(self, node_id, **kwargs)
-        if conn is None:
-            BACKOFF.failed(address, time.monotonic())
-        else:
-            BACKOFF.succeeded(address)
-        return conn
+            return None  # "node not ready", as a failed attempt answers
+        BACKOFF.begin(address)
+        try:
+            return await original_get(self, node_id, **kwargs)
+        finally:
+            BACKOFF.end(address)
 
-    _get_conn.__wrapped__ = original  # type: ignore[attr-defined]
+    create_conn.__wrapped__ = original_create  # type: ignore[attr-defined]
+    _get_conn.__wrapped__ = original_get  # type: ignore[attr-defined]
+    client_module.create_conn = create_conn
     AIOKafkaClient._get_conn = _get_conn
-    _installed = True
 
 
 def _aiokafka_version() -> str:

@@ -60,7 +60,8 @@ class KafkaSettings(BaseModel):
     # After a failed connection to a broker, the next attempt to that address waits this long,
     # doubling per consecutive failure up to the max (+-20 %), as Kafka's own clients do
     # (reconnect.backoff.ms / .max.ms). aiokafka has none: during an outage a worker retried
-    # ~185 connections a second (trajbus.bus.reconnect, RELIABILITY finding Z). 0 turns it off.
+    # ~190 connections a second (trajbus.bus.reconnect, RELIABILITY finding Z). A base of 0
+    # turns it off; the max is at least the base (0: the same as the base).
     reconnect_backoff_ms: int = Field(default=50, ge=0, le=10_000)
     reconnect_backoff_max_ms: int = Field(default=1_000, ge=0, le=60_000)
 
@@ -69,6 +70,11 @@ class KafkaSettings(BaseModel):
         if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
             raise ValueError(f"heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be at "
                              f"most a third of session_timeout_ms ({self.session_timeout_ms})")
+        if 0 < self.reconnect_backoff_max_ms < self.reconnect_backoff_ms:
+            raise ValueError(
+                f"reconnect_backoff_max_ms ({self.reconnect_backoff_max_ms}) must be at least "
+                f"reconnect_backoff_ms ({self.reconnect_backoff_ms}); set "
+                "TRAJBUS_KAFKA__RECONNECT_BACKOFF_MS=0 to turn the backoff off")
         return self
 
 

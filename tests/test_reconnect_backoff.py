@@ -1,16 +1,26 @@
-"""The reconnect backoff's arithmetic (trajbus.bus.reconnect.ReconnectBackoff): after a failed
-connection to an address, the next attempt waits 50 ms, doubling per consecutive failure up to
-the max, each delay within +-20 %; a success resets it; addresses are independent. Time is
-passed in, so these are exact. Its effect on real aiokafka clients during a broker outage is
-tested in test_faults_broker_clients.py."""
+"""The reconnect backoff (trajbus.bus.reconnect). Its arithmetic, with time passed in: after a
+failed connection to an address the next attempt waits 50 ms, doubling per consecutive failure
+up to the max, each delay within +-20 %; a success resets it; addresses are independent. Its
+wrapper around a real aiokafka client, against a closed port on loopback (a broker that is
+away): requests in a tight loop do not each open a connection, one attempt at a time is in
+flight, and a base of 0 turns it off. Real clients through a real broker outage:
+test_faults_broker_clients.py."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
+import aiokafka.client as aiokafka_client
 import pytest
+from aiokafka.client import AIOKafkaClient
+from aiokafka.protocol.metadata import MetadataResponse_v0
 
-from trajbus.bus.reconnect import JITTER, ReconnectBackoff
+from trajbus.bus.reconnect import BACKOFF, JITTER, ReconnectBackoff, install
 from trajbus.bus.settings import KafkaSettings
 
 BROKER = ("127.0.0.1", 9092)
@@ -66,3 +76,82 @@ def test_the_settings_default_to_kafkas_own_clients() -> None:
     assert (k.reconnect_backoff_ms, k.reconnect_backoff_max_ms) == (50, 1000)
     with pytest.raises(ValueError):
         KafkaSettings(reconnect_backoff_ms=-1)
+
+
+# -- the wrapper, on a real aiokafka client of a closed port ---------------------------------
+
+
+@pytest.fixture
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed on return: connections are refused
+
+
+@pytest.fixture
+def attempts() -> Iterator[list[float]]:
+    """Installs the backoff (defaults) and counts the connection attempts aiokafka really
+    makes (the count sits below the backoff's wrapper: refused requests are not attempts)."""
+    base, cap = BACKOFF.base_s, BACKOFF.max_s
+    install(50, 1000)
+    made: list[float] = []
+    wrapped = aiokafka_client.create_conn
+
+    async def counting(*args: Any, **kwargs: Any) -> Any:
+        made.append(time.monotonic())
+        return await wrapped(*args, **kwargs)
+
+    aiokafka_client.create_conn = counting
+    try:
+        yield made
+    finally:
+        aiokafka_client.create_conn = wrapped
+        BACKOFF.configure(base, cap)
+
+
+@pytest.fixture
+async def client(closed_port: int) -> AsyncIterator[AIOKafkaClient]:
+    """A client whose metadata names node 1 at the closed port (as after the broker died)."""
+    c = AIOKafkaClient(bootstrap_servers=f"127.0.0.1:{closed_port}")
+    c.cluster.update_metadata(MetadataResponse_v0(
+        [(1, "127.0.0.1", closed_port)], [(0, "t", [(0, 0, 1, [1], [1])])]))
+    yield c
+    await c.close()
+
+
+async def test_requests_to_an_absent_broker_in_a_tight_loop_do_not_each_open_a_connection(
+        client: AIOKafkaClient, attempts: list[float], closed_port: int) -> None:
+    calls = 0
+    started = time.monotonic()
+    while time.monotonic() - started < 0.3:
+        assert not await client.ready(1)
+        calls += 1
+        await asyncio.sleep(0.002)
+    # 0 ms, then >= 40, 80 and 160 ms later: at most 4 attempts in 0.3 s, whatever the rate
+    assert calls >= 20 and 1 <= len(attempts) <= 4, (calls, len(attempts))
+    assert BACKOFF.failures(("127.0.0.1", closed_port)) == len(attempts)
+
+
+async def test_a_failing_address_has_one_attempt_in_flight_at_a_time(
+        client: AIOKafkaClient, attempts: list[float], closed_port: int) -> None:
+    address = ("127.0.0.1", closed_port)
+    assert not await client.ready(1)
+    assert len(attempts) == 1
+    await asyncio.sleep(BACKOFF.nominal_delay(1) * (1 + JITTER))
+    # ten routines ask at once once the backoff has passed: one of them tries
+    assert await asyncio.gather(*(client.ready(1) for _ in range(10))) == [False] * 10
+    assert len(attempts) == 2 and BACKOFF.failures(address) == 2
+
+
+async def test_a_base_of_zero_turns_the_backoff_off(
+        client: AIOKafkaClient, attempts: list[float]) -> None:
+    install(0, 1000)
+    for _ in range(10):
+        assert not await client.ready(1)
+    assert len(attempts) == 10
+
+
+def test_a_max_below_the_base_is_refused_with_what_to_set() -> None:
+    with pytest.raises(ValueError, match="RECONNECT_BACKOFF_MS=0"):
+        KafkaSettings(reconnect_backoff_ms=500, reconnect_backoff_max_ms=100)
+    assert KafkaSettings(reconnect_backoff_ms=0, reconnect_backoff_max_ms=0)
