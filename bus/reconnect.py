@@ -152,19 +152,20 @@ def _wrap_aiokafka() -> None:
         BACKOFF.succeeded((host, port))
         return conn
 
-    async def _get_conn(self: Any, node_id: Any, **kwargs: Any) -> Any:
-        conn = self._conns.get((node_id, kwargs.get("group", ConnectionGroup.DEFAULT)))
+    async def _get_conn(self: Any, node_id: Any, *, group: Any = ConnectionGroup.DEFAULT,
+                        no_hint: bool = False) -> Any:
+        conn = self._conns.get((node_id, group))
         if conn is not None and conn.connected():
-            return conn  # the hot path: no clock read, no state
+            return conn  # the hot path (every request): no clock read, no state
         broker = self.cluster.broker_metadata(node_id)
         if broker is None or BACKOFF.base_s <= 0:
-            return await original_get(self, node_id, **kwargs)
+            return await original_get(self, node_id, group=group, no_hint=no_hint)
         address = (broker.host, broker.port)
         if not BACKOFF.may_connect(address, time.monotonic()):
             return None  # "node not ready", as a failed attempt answers
         BACKOFF.begin(address)
         try:
-            return await original_get(self, node_id, **kwargs)
+            return await original_get(self, node_id, group=group, no_hint=no_hint)
         finally:
             BACKOFF.end(address)
 
