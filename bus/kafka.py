@@ -185,7 +185,31 @@ def sender_crash(producer: Any) -> BaseException | None:
     if task is None or not task.done() or task.cancelled():
         return None
     exc: BaseException | None = task.exception()
+    if exc is not None:
+        _retrieve_failed_futures(producer)
     return exc
+
+
+def _retrieve_failed_futures(producer: Any) -> None:
+    """Mark as retrieved the errors aiokafka set on a crashed producer's internal futures
+    (its transaction waiter, its batches' futures and drain waiters), which nobody awaits once
+    the producer is given up. Left alone, each logs "Future exception was never retrieved"
+    with a traceback when collected; on Python 3.11.7, formatting that traceback from inside a
+    garbage collection that an ``ast.parse`` triggered made the outer parse fail with
+    "SystemError: AST constructor recursion depth mismatch" (cpython#106905): a test run that
+    had passed exited 1 at its summary."""
+    futures: list[Any] = []
+    txn = getattr(producer, "_txn_manager", None)
+    futures.append(getattr(txn, "_transaction_waiter", None))
+    futures.extend(f for *_, f in getattr(txn, "_pending_txn_offsets", ()) or ())
+    acc = getattr(producer, "_message_accumulator", None)
+    batches = [b for queue in (getattr(acc, "_batches", None) or {}).values() for b in queue]
+    batches += list(getattr(acc, "_pending_batches", None) or ())
+    for batch in batches:
+        futures += [getattr(batch, "future", None), getattr(batch, "_drain_waiter", None)]
+    for fut in futures:
+        if isinstance(fut, asyncio.Future) and fut.done() and not fut.cancelled():
+            fut.exception()
 
 
 def broker_went_away(exc: BaseException) -> bool:
