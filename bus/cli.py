@@ -7,7 +7,7 @@ import asyncio
 import json
 from typing import Any
 
-from trajbus.bus.settings import Settings, get_settings
+from trajbus.bus.settings import get_settings, read_settings
 from trajbus.bus.topics import Topics
 
 
@@ -163,7 +163,7 @@ def _schemas_list(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    data = Settings().model_dump(mode="json")
+    data = read_settings().model_dump(mode="json")
     if data["kafka"].get("sasl_password"):
         data["kafka"]["sasl_password"] = "***"
     print(json.dumps(data, indent=2))

@@ -10,8 +10,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from trajbus.bus.errors import UserError
 
 
 class KafkaSettings(BaseModel):
@@ -200,7 +202,49 @@ class Settings(BaseSettings):
     state_dir: Path = Path(".trajbus/state")
 
 
+class SettingsError(UserError, ValueError):
+    """The environment's ``TRAJBUS_*`` settings do not validate. The message names each
+    variable and what is wrong with it, never a secret's value."""
+
+
+def read_settings() -> Settings:
+    """``Settings()`` from the environment, or :class:`SettingsError` saying which variable is
+    wrong. pydantic's own message quotes the inputs, and for a rule over several fields the
+    whole group (``TRAJBUS_KAFKA__SASL_PASSWORD`` included); it is not chained, so a
+    traceback does not print it either."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        message = settings_error_message(exc)
+    raise SettingsError(message, "the README's settings table describes every TRAJBUS_* "
+                                 "variable")
+
+
+def settings_error_message(exc: ValidationError) -> str:
+    """One line per error: the environment variable, its value when it is a plain value and
+    not a secret, and pydantic's reason."""
+    lines = []
+    for err in exc.errors(include_url=False):
+        loc = [str(part) for part in err.get("loc", ())]
+        name = "TRAJBUS_" + "__".join(part.upper() for part in loc) if loc else "TRAJBUS_*"
+        value = err.get("input")
+        shown = ""
+        if isinstance(value, str | int | float | bool) and loc and not _is_secret(loc[-1]):
+            shown = f"={value!r}"
+        elif loc and isinstance(value, dict):
+            name += "__*"  # a rule over several of the group's fields
+        reason = str(err.get("msg", "")).removeprefix("Value error, ")
+        lines.append(f"{name}{shown}: {reason}")
+    return "invalid settings: " + "; ".join(lines)
+
+
+def _is_secret(field: str) -> bool:
+    field = field.lower()
+    return any(word in field for word in ("password", "secret", "token", "credential"))
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
-    """The process's settings, read once from the environment."""
-    return Settings()
+    """The process's settings, read once from the environment (:class:`SettingsError` if they
+    do not validate)."""
+    return read_settings()

@@ -1,0 +1,74 @@
+"""A wrong ``TRAJBUS_*`` variable: the command says which variable and why, exits 1, and never
+prints a secret. pydantic's own message quoted the inputs, and for a rule over several fields
+the whole group: a heartbeat interval set too high printed ``'sasl_password': '...'`` in
+clear. Settings read by the library (``get_settings``) raise the same message as
+:class:`SettingsError`, a ``ValueError``, with pydantic's message not chained to it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from pydantic import BaseModel, ValidationError
+from support import REPO
+
+from trajbus.bus.errors import UserError
+from trajbus.bus.settings import SettingsError, read_settings, settings_error_message
+
+SECRET = "hunter2-do-not-print"
+
+
+def _trajbus(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("TRAJBUS_")}
+    full.update(env)
+    return subprocess.run([sys.executable, "-m", "trajbus", *args], env=full, cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_rule_over_the_kafka_group_names_the_group_and_never_prints_the_sasl_password() -> None:
+    got = _trajbus("topics", "list", TRAJBUS_KAFKA__SASL_PASSWORD=SECRET,
+                   TRAJBUS_KAFKA__SASL_USERNAME="svc", TRAJBUS_KAFKA__HEARTBEAT_INTERVAL_MS="5000")
+    assert got.returncode == 1
+    assert SECRET not in got.stdout + got.stderr
+    assert "Traceback" not in got.stderr
+    assert got.stderr.startswith(
+        "trajbus: error: invalid settings: TRAJBUS_KAFKA__*: heartbeat_interval_ms (5000) must "
+        "be at most a third of session_timeout_ms (10000)"), got.stderr
+
+
+def test_each_wrong_variable_is_named_with_its_value_and_the_reason() -> None:
+    got = _trajbus("config", TRAJBUS_KAFKA__SESSION_TIMEOUT_MS="12",
+                   TRAJBUS_TOPICS__PARTITIONS="six")
+    assert got.returncode == 1 and "Traceback" not in got.stderr
+    first = got.stderr.splitlines()[0]
+    assert "TRAJBUS_KAFKA__SESSION_TIMEOUT_MS='12': Input should be greater than or equal to " \
+           "6000" in first
+    assert "TRAJBUS_TOPICS__PARTITIONS='six': Input should be a valid integer" in first
+    assert "errors.pydantic.dev" not in got.stderr
+
+
+def test_the_library_raises_a_settings_error_without_pydantics_message_chained(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRAJBUS_KAFKA__SASL_PASSWORD", SECRET)
+    monkeypatch.setenv("TRAJBUS_KAFKA__HEARTBEAT_INTERVAL_MS", "5000")
+    with pytest.raises(SettingsError) as caught:
+        read_settings()
+    exc = caught.value
+    assert isinstance(exc, ValueError) and isinstance(exc, UserError)
+    assert exc.__cause__ is None and exc.__context__ is None
+    assert SECRET not in str(exc)
+
+
+def test_a_secret_looking_fields_value_is_never_shown() -> None:
+    class Creds(BaseModel):
+        api_token: int
+        port: int
+
+    with pytest.raises(ValidationError) as caught:
+        Creds(api_token=SECRET, port="x")  # type: ignore[arg-type]
+    message = settings_error_message(caught.value)
+    assert SECRET not in message
+    assert "TRAJBUS_API_TOKEN: Input should be a valid integer" in message
+    assert "TRAJBUS_PORT='x': Input should be a valid integer" in message
