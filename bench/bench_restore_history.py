@@ -146,12 +146,12 @@ class Blobs:
     per episode with a fresh random ring."""
 
     def __init__(self) -> None:
-        from trajbus.bus.settings import Settings
+        from trajbus.bus.settings import read_settings
         from trajbus.consumers.engine.processors import ReorderProcessor
         from trajbus.consumers.engine.runner import InRecord
         from trajbus.schemas import models as m
 
-        proc = ReorderProcessor(Settings())
+        proc = ReorderProcessor(read_settings())
         t0 = int(time.time() * 1000)
         rng = random.Random(7)
         recs = []
@@ -910,13 +910,13 @@ def main() -> None:
                          "(0: skip)")
     args = ap.parse_args()
 
-    from trajbus.bus.settings import Settings
+    from trajbus.bus.settings import read_settings
     from trajbus.bus.topics import Topics
     from trajbus.consumers.engine.runner import changelog_configs
     from trajbus.infra.broker import LocalBroker, free_port
 
     # the runner's own (Runner._prepare_topics), for the default topic sizes
-    configs = changelog_configs(Topics(Settings()).derived_max_bytes + 65536)
+    configs = changelog_configs(Topics(read_settings()).derived_max_bytes + 65536)
     for kv in args.set:
         k, _, v = kv.partition("=")
         configs[k] = v

@@ -6,12 +6,15 @@ Nested groups use a double underscore: ``TRAJBUS_WATCHDOG__LOOP_MIN_REPEATS=30``
 
 from __future__ import annotations
 
+import os
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsError as PydanticSettingsError
 
 from trajbus.bus.errors import UserError
 
@@ -215,27 +218,63 @@ def read_settings() -> Settings:
     try:
         return Settings()
     except ValidationError as exc:
-        message = settings_error_message(exc)
+        message = settings_error_message(exc, Settings)
+    except PydanticSettingsError as exc:  # a variable holding JSON that does not parse
+        message = _unparsable_message(str(exc))
     raise SettingsError(message, "the README's settings table describes every TRAJBUS_* "
                                  "variable")
 
 
-def settings_error_message(exc: ValidationError) -> str:
-    """One line per error: the environment variable, its value when it is a plain value and
-    not a secret, and pydantic's reason."""
+def settings_error_message(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """One line per error: the environment variable, its value when it is the plain value of
+    one field of ``model`` (not a group) not named like a secret, and pydantic's reason."""
     lines = []
     for err in exc.errors(include_url=False):
-        loc = [str(part) for part in err.get("loc", ())]
-        name = "TRAJBUS_" + "__".join(part.upper() for part in loc) if loc else "TRAJBUS_*"
+        loc = err.get("loc", ())
+        fields = [part for part in loc if isinstance(part, str)]
+        items = [part for part in loc if isinstance(part, int)]
+        name = "TRAJBUS_" + "__".join(f.upper() for f in fields) if fields else "TRAJBUS_*"
         value = err.get("input")
-        shown = ""
-        if isinstance(value, str | int | float | bool) and loc and not _is_secret(loc[-1]):
-            shown = f"={value!r}"
-        elif loc and isinstance(value, dict):
+        if err.get("type") == "value_error" and isinstance(value, dict):
             name += "__*"  # a rule over several of the group's fields
+        if items:
+            name += " (item " + ", ".join(str(i) for i in items) + ")"
+        shown = ""
+        if (isinstance(value, str | int | float | bool) and fields
+                and not any(_is_secret(f) for f in fields) and _is_leaf(model, fields)):
+            shown = f"={value!r}"
         reason = str(err.get("msg", "")).removeprefix("Value error, ")
         lines.append(f"{name}{shown}: {reason}")
     return "invalid settings: " + "; ".join(lines)
+
+
+def _is_leaf(model: type[BaseModel] | None, fields: list[str]) -> bool:
+    """Whether ``fields`` names one plain field of ``model`` (not a group of fields, whose
+    value given as one string is not shown). Without a model, any location is a field."""
+    for i, name in enumerate(fields):
+        if model is None:
+            return True
+        info = model.model_fields.get(name)
+        if info is None:
+            return False
+        sub = info.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            model = sub
+            continue
+        return i == len(fields) - 1
+    return False
+
+
+def _unparsable_message(text: str) -> str:
+    """pydantic-settings names the group whose JSON did not parse; name its variables set."""
+    match = re.search(r'field "(\w+)"', text)
+    group = match.group(1).upper() if match else ""
+    names = sorted(k for k in os.environ
+                   if group and (k.upper() == f"TRAJBUS_{group}"
+                                 or k.upper().startswith(f"TRAJBUS_{group}__")))
+    where = ", ".join(names) or f"a TRAJBUS_{group or '*'} variable"
+    return f"invalid settings: {where}: a value that must be JSON (a list or an object) does " \
+           "not parse"
 
 
 def _is_secret(field: str) -> bool:

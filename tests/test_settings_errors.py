@@ -72,3 +72,26 @@ def test_a_secret_looking_fields_value_is_never_shown() -> None:
     assert SECRET not in message
     assert "TRAJBUS_API_TOKEN: Input should be a valid integer" in message
     assert "TRAJBUS_PORT='x': Input should be a valid integer" in message
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    # a variable holding JSON that does not parse (pydantic-settings' own error before)
+    ({"TRAJBUS_PRODUCER__REDACT_ENV": "notjson"},
+     "TRAJBUS_PRODUCER__REDACT_ENV: a value that must be JSON (a list or an object) does not "
+     "parse"),
+    # an item of a list is named as an item, not as a variable
+    ({"TRAJBUS_PRODUCER__REDACT_ENV": '["A", 5]'},
+     "TRAJBUS_PRODUCER__REDACT_ENV (item 1)=5: Input should be a valid string"),
+    # a group given as one string: not shown (it may be a URL with credentials)
+    ({"TRAJBUS_ARCHIVE": '"s3://AKIA:' + SECRET + '@bucket/p"'},
+     "TRAJBUS_ARCHIVE: Input should be a valid dictionary or instance of ArchiveSettings"),
+    # the real secret field, given a wrong type through the group's JSON
+    ({"TRAJBUS_KAFKA": '{"sasl_password": 123456}'},
+     "TRAJBUS_KAFKA__SASL_PASSWORD: Input should be a valid string"),
+])
+def test_every_kind_of_mistake_names_its_variable_without_a_secret(
+        env: dict[str, str], expected: str) -> None:
+    got = _trajbus("config", **env)
+    assert got.returncode == 1 and "Traceback" not in got.stderr
+    assert got.stderr.splitlines()[0] == f"trajbus: error: invalid settings: {expected}"
+    assert SECRET not in got.stderr and "123456" not in got.stderr
