@@ -63,7 +63,6 @@ class ReconnectBackoff:
         self._rng = rng or random.Random()
         self._addresses: dict[Address, _AddressState] = {}
         self.refused = 0  # attempts answered "not ready" without a connection
-        self.failed_attempts = 0
 
     def configure(self, base_s: float, max_s: float) -> None:
         self.base_s = base_s
@@ -98,7 +97,6 @@ class ReconnectBackoff:
         """Record a failed attempt; returns the delay before the next one may be made."""
         state = self._addresses.setdefault(address, _AddressState())
         state.failures += 1
-        self.failed_attempts += 1
         delay = self.nominal_delay(state.failures) * (1 + JITTER * (2 * self._rng.random() - 1))
         state.retry_at = now + delay
         return delay
