@@ -3,6 +3,7 @@
     python bench/bench_many_emitters.py --json out.json [--bootstrap HOST:PORT]
         [--emitters 1000] [--rate 1.0] [--seconds 25] [--rounds 1] [--trajbus-ref REF ...]
         [--no-working-tree] [--baseline] [--emit-only] [--durability os] [--send-round-ms MS]
+        [--timer-slack-max-ms MS]
 
 One child process per measurement runs ``--emitters`` :class:`SandboxEmitter` s on one event
 loop (fsync durability, the process's shared producer, one state directory each), each
@@ -70,6 +71,8 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
     extra: dict[str, Any] = {} if a.send_round_ms is None else {"send_round_ms": a.send_round_ms}
     if a.journal_sync is not None:
         extra["journal_sync"] = a.journal_sync
+    if a.timer_slack_max_ms is not None:
+        extra["timer_slack_max_ms"] = a.timer_slack_max_ms
     settings = make_settings(a.bootstrap, a.prefix, partitions=a.partitions, **extra)
     await create_topics(settings, [Topics(settings).sandbox_events])
     state = Path(tempfile.mkdtemp(prefix="bench-many-emitters-"))
@@ -137,7 +140,9 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
                   # None: a commit before the journals' group commit
                   "syncfs_calls": getattr(sh, "syncfs_calls", None),
                   "fdatasyncs": getattr(sh, "fdatasyncs", None),
-                  "slow_sync_rounds": getattr(sh, "slow_sync_rounds", None)}
+                  "slow_sync_rounds": getattr(sh, "slow_sync_rounds", None),
+                  # None: a commit before the loop thread's timer slack, or none applied
+                  "timer_slack_ns": getattr(sh, "timer_slack_ns", None)}
     jb = _journal_bytes(state)  # before close: what a running node holds
     ok = (a.mode == "emit" and all(await asyncio.gather(*(em.flush(60) for em in ems))))
     for em in ems:
@@ -183,6 +188,8 @@ def run_child(a: argparse.Namespace, bootstrap: str, tree: Path | None,
         cmd += ["--send-round-ms", str(a.send_round_ms)]
     if a.journal_sync is not None:
         cmd += ["--journal-sync", a.journal_sync]
+    if a.timer_slack_max_ms is not None:
+        cmd += ["--timer-slack-max-ms", str(a.timer_slack_max_ms)]
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
@@ -225,6 +232,9 @@ def main() -> int:
     ap.add_argument("--journal-sync", choices=["filesystem", "file"], default=None,
                     help="settings.producer.journal_sync (default: the setting's default, "
                          "filesystem): compare the two on the journals' filesystem")
+    ap.add_argument("--timer-slack-max-ms", type=float, default=None,
+                    help="settings.producer.timer_slack_max_ms for every variant (0: leave "
+                         "the loop thread's timer slack alone; default: the settings' 50)")
     ap.add_argument("--durability", choices=["fsync", "os"], default="fsync",
                     help="the emitters' durability (os: no journal fdatasync; to see its cost)")
     ap.add_argument("--mode", choices=["emit", "noop", "emit-only"], default="emit",

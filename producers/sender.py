@@ -10,7 +10,11 @@ a second (issue 18, item 4). Here the emitters of one loop hand their ready queu
    ``settings.producer.send_round_ms`` (10 ms), and per that much for every 100 open emitters
    beyond the first hundred, up to ``send_round_max_ms`` (50 ms at 500 emitters and more): at 1
    event/s per emitter a round then serves ~10 emitters per 100 open instead of one or two, for
-   at most that much more send latency;
+   at most that much more send latency. With more than 100 open, the loop's thread also gets a
+   Linux timer slack of that interval (at most ``timer_slack_max_ms``; see
+   :mod:`trajbus.producers.timerslack`): timers on the loop, the callers' sleeps included, may
+   end that much late, so their wake-ups coalesce. The thread's own slack is restored when 100
+   or fewer are open;
 1. take every emitter that became ready since the last round, pop each one's pending events
    (in record-id, i.e. seq, order; at most ``SEND_BATCH`` each);
 2. one sync round, in one thread hand-off, over the journals of those emitters with
@@ -76,6 +80,7 @@ from trajbus.bus.kafka import lasting_delivery_error
 from trajbus.bus.producer import replace_producer
 from trajbus.bus.settings import KafkaSettings
 from trajbus.producers.journal import syncfs
+from trajbus.producers.timerslack import get_timer_slack_ns, set_timer_slack_ns
 
 if TYPE_CHECKING:
     from trajbus.producers.emitter import SandboxEmitter, _Item
@@ -83,6 +88,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SEND_BATCH = 2000  # events of one emitter per round
+SLACK_MIN_MEMBERS = 100  # beyond this many open emitters the loop thread gets a timer slack
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
 
@@ -115,6 +121,10 @@ class SharedSender:
         self._last_round = 0.0
         self.round_s: float | None = None  # the smallest send_round_ms of the members, in s
         self.round_max_s: float | None = None  # the smallest send_round_max_ms, in s
+        self.slack_max_s: float | None = None  # the smallest timer_slack_max_ms, in s
+        # The loop thread's timer slack set by this sender (ns), and the thread's own before.
+        self.timer_slack_ns: int | None = None
+        self._thread_slack_ns: int | None = None
         self.rounds = 0  # for tests and metrics
         self.sync_rounds = 0
         # The last shared producer found broken (its deliveries failed for good) and its
@@ -128,13 +138,16 @@ class SharedSender:
         self._members += 1
         r = max(0.0, em.settings.producer.send_round_ms / 1000)
         r_max = max(r, em.settings.producer.send_round_max_ms / 1000)
+        slack = max(0.0, em.settings.producer.timer_slack_max_ms / 1000)
         if self._task is None or self._task.done():
-            self.round_s, self.round_max_s = r, r_max
+            self.round_s, self.round_max_s, self.slack_max_s = r, r_max, slack
             self._task = asyncio.get_running_loop().create_task(
                 self._run(), name="trajbus-emitter-sender")
         else:
             self.round_s = r if self.round_s is None else min(self.round_s, r)
             self.round_max_s = r_max if self.round_max_s is None else min(self.round_max_s, r_max)
+            self.slack_max_s = slack if self.slack_max_s is None else min(self.slack_max_s, slack)
+        self._adjust_timer_slack()
 
     def round_interval(self) -> float:
         """Seconds between the starts of two rounds: 0 for a lone emitter, ``send_round_ms``
@@ -144,9 +157,36 @@ class SharedSender:
         grown = self.round_s * max(1.0, self._members / 100)
         return min(grown, max(self.round_s, self.round_max_s or 0.0))
 
+    def timer_slack_s(self) -> float:
+        """The timer slack this sender wants on its loop's thread: none up to 100 open
+        emitters; beyond, the round interval (timers then end at most as late as a send
+        already waits), at most ``timer_slack_max_ms``."""
+        if self._members <= SLACK_MIN_MEMBERS or not self.slack_max_s:
+            return 0.0
+        return min(self.round_interval(), self.slack_max_s)
+
+    def _adjust_timer_slack(self) -> None:
+        """Apply :meth:`timer_slack_s` to the calling (the loop's) thread, or give the thread
+        back its own slack. Called from join and leave, which run on the loop."""
+        want = int(self.timer_slack_s() * 1e9)
+        if want == (self.timer_slack_ns or 0):
+            return
+        if want:
+            if self.timer_slack_ns is None:
+                self._thread_slack_ns = get_timer_slack_ns()
+                if self._thread_slack_ns is None:
+                    return  # not Linux: nothing to do
+            if set_timer_slack_ns(want):
+                self.timer_slack_ns = want
+        else:
+            if self._thread_slack_ns:
+                set_timer_slack_ns(self._thread_slack_ns)
+            self.timer_slack_ns = None
+
     def leave(self, em: SandboxEmitter) -> None:
         self._members -= 1
         self._ready.pop(em, None)
+        self._adjust_timer_slack()
         if self._members <= 0:
             self._wake.set()  # let the task see it has nothing left to do and end
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -314,7 +315,7 @@ async def test_the_round_interval_grows_with_the_emitters_open_up_to_its_cap() -
 
     def member(round_ms: float, max_ms: float) -> object:
         return SimpleNamespace(settings=SimpleNamespace(producer=SimpleNamespace(
-            send_round_ms=round_ms, send_round_max_ms=max_ms)))
+            send_round_ms=round_ms, send_round_max_ms=max_ms, timer_slack_max_ms=0)))
 
     sender = SharedSender()
     intervals = {}
@@ -332,6 +333,50 @@ async def test_the_round_interval_grows_with_the_emitters_open_up_to_its_cap() -
         sender.leave(None)  # type: ignore[arg-type]
     assert sender._task is not None
     await asyncio.wait_for(sender._task, 5)  # no member left: its task ends
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl timer slack: Linux")
+async def test_beyond_100_emitters_the_loop_thread_gets_a_timer_slack_and_gets_its_own_back(
+) -> None:
+    """With more than 100 emitters open the loop's thread gets a timer slack of the round
+    interval, capped at timer_slack_max_ms, so the callers' timed wake-ups coalesce (issue 18);
+    with 100 or fewer the thread's own slack is back, and 0 leaves the thread alone."""
+    from types import SimpleNamespace
+
+    from trajbus.producers.sender import SharedSender
+    from trajbus.producers.timerslack import get_timer_slack_ns
+
+    def member(slack_max_ms: float) -> object:
+        return SimpleNamespace(settings=SimpleNamespace(producer=SimpleNamespace(
+            send_round_ms=10, send_round_max_ms=50, timer_slack_max_ms=slack_max_ms)))
+
+    own = get_timer_slack_ns()
+    assert own is not None and own < 10_000_000
+    sender = SharedSender()
+    slack = {}
+    for n in range(1, 1001):
+        sender.join(member(30))  # type: ignore[arg-type]
+        slack[n] = get_timer_slack_ns()
+    assert slack[1] == slack[100] == own
+    assert slack[101] == pytest.approx(10_100_000, abs=1)  # the round interval at 101 open
+    assert slack[200] == pytest.approx(20_000_000, abs=1)
+    assert slack[300] == slack[1000] == 30_000_000  # capped at timer_slack_max_ms
+    for n in range(1000, 0, -1):
+        sender.leave(None)  # type: ignore[arg-type]
+        if n == 151:
+            assert get_timer_slack_ns() == pytest.approx(15_000_000, abs=1)
+    assert get_timer_slack_ns() == own
+    assert sender._task is not None
+    await asyncio.wait_for(sender._task, 5)
+
+    off = SharedSender()
+    for _ in range(300):
+        off.join(member(0))  # type: ignore[arg-type]
+    assert get_timer_slack_ns() == own and off.timer_slack_ns is None
+    for _ in range(300):
+        off.leave(None)  # type: ignore[arg-type]
+    assert off._task is not None
+    await asyncio.wait_for(off._task, 5)
 
 
 async def test_a_shared_producer_that_can_no_longer_deliver_is_replaced_and_nothing_is_lost(

@@ -1,0 +1,52 @@
+"""The calling thread's Linux timer slack (``prctl(PR_SET_TIMERSLACK)``), for the shared sender.
+
+A thread's timer slack is how late the kernel may end its timed sleeps -- including the
+timeout of ``epoll_wait`` that an asyncio loop sleeps in until its next timer -- so that
+wake-ups due close together happen as one (prctl(2), "PR_SET_TIMERSLACK"; the default is
+50 us). An event loop hosting 1,000 emitters whose callers each wake once a second on a timer
+then wakes tens of times a second instead of ~1,000 and runs each batch of due callbacks
+together, at a fraction of the CPU (bench/ANALYSIS.md "Timer slack"). Readiness of a socket or
+pipe still wakes the loop at once: only timers are made later, by at most the slack.
+
+Linux only; elsewhere (or if the call is refused) the functions report that nothing was done.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from collections.abc import Callable
+
+__all__ = ["get_timer_slack_ns", "set_timer_slack_ns"]
+
+_PR_SET_TIMERSLACK = 29
+_PR_GET_TIMERSLACK = 30
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return fn
+
+
+_prctl = _load_prctl()
+
+
+def get_timer_slack_ns() -> int | None:
+    """The calling thread's current timer slack in ns, or None where it cannot be read."""
+    if _prctl is None:
+        return None
+    value = _prctl(_PR_GET_TIMERSLACK, 0, 0, 0, 0)
+    return None if value < 0 else int(value)
+
+
+def set_timer_slack_ns(ns: int) -> bool:
+    """Set the calling thread's timer slack to ``ns`` (> 0; 0 would mean "the thread's
+    default"). Returns whether it was set."""
+    if _prctl is None or ns <= 0:
+        return False
+    return bool(_prctl(_PR_SET_TIMERSLACK, ctypes.c_ulong(ns), 0, 0, 0) == 0)
