@@ -108,10 +108,11 @@ class ProducerSideSettings(BaseModel):
     # before an event is sent. Below 100 open emitters the interval is send_round_ms.
     send_round_max_ms: float = 50.0
     # With more than 100 emitters open on one event loop, the loop's thread gets a Linux timer
-    # slack of the round interval, at most this: its timers (the callers' sleeps included) may
-    # end up to that much late, so ~1,000 timed wake-ups a second coalesce into a few dozen
-    # (bench/ANALYSIS.md "Timer slack"). I/O still wakes the loop at once. The thread's own
-    # slack comes back when 100 or fewer are open. 0 = never touch the thread's slack.
+    # slack of the round interval, at most this: its timed waits (the callers' sleeps, the
+    # rounds' wait and the producer's linger included) may end up to that much late, so ~1,000
+    # timed wake-ups a second coalesce into a few dozen (bench/ANALYSIS.md "Timer slack"). I/O
+    # still wakes the loop at once. The thread's own slack comes back when 100 or fewer are
+    # open; threads it starts meanwhile inherit it. 0 = never touch the thread's slack.
     timer_slack_max_ms: float = 50.0
     # How a round makes its emitters' journals durable before sending (durability="fsync").
     # "filesystem": one syncfs(2) per filesystem for all the round's journals on it (a group

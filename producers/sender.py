@@ -143,6 +143,7 @@ class SharedSender:
             self.round_s, self.round_max_s, self.slack_max_s = r, r_max, slack
             self._task = asyncio.get_running_loop().create_task(
                 self._run(), name="trajbus-emitter-sender")
+            self._task.add_done_callback(self._task_ended)
         else:
             self.round_s = r if self.round_s is None else min(self.round_s, r)
             self.round_max_s = r_max if self.round_max_s is None else min(self.round_max_s, r_max)
@@ -159,8 +160,10 @@ class SharedSender:
 
     def timer_slack_s(self) -> float:
         """The timer slack this sender wants on its loop's thread: none up to 100 open
-        emitters; beyond, the round interval (timers then end at most as late as a send
-        already waits), at most ``timer_slack_max_ms``."""
+        emitters; beyond, the round interval, at most ``timer_slack_max_ms``. Every timed wait
+        of that thread may then end that much late: the rounds' own wait and the producer's
+        linger too, so an event can wait up to about twice the round interval, plus linger,
+        before it is sent (an emit returns as fast: it waits for no timer)."""
         if self._members <= SLACK_MIN_MEMBERS or not self.slack_max_s:
             return 0.0
         return min(self.round_interval(), self.slack_max_s)
@@ -171,17 +174,25 @@ class SharedSender:
         want = int(self.timer_slack_s() * 1e9)
         if want == (self.timer_slack_ns or 0):
             return
-        if want:
-            if self.timer_slack_ns is None:
-                self._thread_slack_ns = get_timer_slack_ns()
-                if self._thread_slack_ns is None:
-                    return  # not Linux: nothing to do
-            if set_timer_slack_ns(want):
-                self.timer_slack_ns = want
-        else:
-            if self._thread_slack_ns:
-                set_timer_slack_ns(self._thread_slack_ns)
-            self.timer_slack_ns = None
+        if not want:
+            self._release_timer_slack()
+            return
+        now = get_timer_slack_ns()
+        if now is None:
+            return  # not Linux: nothing to do
+        if now != self.timer_slack_ns:  # first time, or someone else set it meanwhile: theirs
+            self._thread_slack_ns = now  # is what the thread gets back
+        if set_timer_slack_ns(want):
+            self.timer_slack_ns = want
+
+    def _release_timer_slack(self) -> None:
+        """Give the loop's thread back the slack it had before this sender set one -- unless
+        someone else changed it meanwhile (theirs is kept)."""
+        if self.timer_slack_ns is None:
+            return
+        if self._thread_slack_ns and get_timer_slack_ns() == self.timer_slack_ns:
+            set_timer_slack_ns(self._thread_slack_ns)
+        self.timer_slack_ns = None
 
     def leave(self, em: SandboxEmitter) -> None:
         self._members -= 1
@@ -205,6 +216,12 @@ class SharedSender:
             self.notify(em)
 
     # -- the rounds ---------------------------------------------------------------------------
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        """The send task ended -- also cancelled with emitters still open, the loop ending,
+        maybe before it ever ran: the thread gets its own slack back."""
+        if self._task is task:
+            self._release_timer_slack()
+
     async def _run(self) -> None:
         wake = self._wake
         while True:

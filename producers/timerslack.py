@@ -6,7 +6,10 @@ wake-ups due close together happen as one (prctl(2), "PR_SET_TIMERSLACK"; the de
 50 us). An event loop hosting 1,000 emitters whose callers each wake once a second on a timer
 then wakes tens of times a second instead of ~1,000 and runs each batch of due callbacks
 together, at a fraction of the CPU (bench/ANALYSIS.md "Timer slack"). Readiness of a socket or
-pipe still wakes the loop at once: only timers are made later, by at most the slack.
+pipe still wakes the loop at once: only timed waits are made later, by at most the slack --
+every timed wait of that thread (its ``time.sleep``, lock and queue timeouts too), and of
+threads it starts meanwhile: a new thread inherits its creator's current slack (prctl(2)),
+the loop's default executor's workers included.
 
 Linux only; elsewhere (or if the call is refused) the functions report that nothing was done.
 """
@@ -21,6 +24,7 @@ __all__ = ["get_timer_slack_ns", "set_timer_slack_ns"]
 
 _PR_SET_TIMERSLACK = 29
 _PR_GET_TIMERSLACK = 30
+_MAX_NS = 1 << 31  # PR_GET_TIMERSLACK returns it as an int: larger values would read back wrong
 
 
 def _load_prctl() -> Callable[..., int] | None:
@@ -46,7 +50,10 @@ def get_timer_slack_ns() -> int | None:
 
 def set_timer_slack_ns(ns: int) -> bool:
     """Set the calling thread's timer slack to ``ns`` (> 0; 0 would mean "the thread's
-    default"). Returns whether it was set."""
-    if _prctl is None or ns <= 0:
+    default"). Returns whether it is now in effect (read back: a real-time thread's slack is
+    accepted and ignored)."""
+    if _prctl is None or not 0 < ns < _MAX_NS:
         return False
-    return bool(_prctl(_PR_SET_TIMERSLACK, ctypes.c_ulong(ns), 0, 0, 0) == 0)
+    if _prctl(_PR_SET_TIMERSLACK, ctypes.c_ulong(ns), 0, 0, 0) != 0:
+        return False
+    return get_timer_slack_ns() == ns

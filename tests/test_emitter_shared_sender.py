@@ -344,7 +344,7 @@ async def test_beyond_100_emitters_the_loop_thread_gets_a_timer_slack_and_gets_i
     from types import SimpleNamespace
 
     from trajbus.producers.sender import SharedSender
-    from trajbus.producers.timerslack import get_timer_slack_ns
+    from trajbus.producers.timerslack import get_timer_slack_ns, set_timer_slack_ns
 
     def member(slack_max_ms: float) -> object:
         return SimpleNamespace(settings=SimpleNamespace(producer=SimpleNamespace(
@@ -352,31 +352,56 @@ async def test_beyond_100_emitters_the_loop_thread_gets_a_timer_slack_and_gets_i
 
     own = get_timer_slack_ns()
     assert own is not None and own < 10_000_000
-    sender = SharedSender()
-    slack = {}
-    for n in range(1, 1001):
-        sender.join(member(30))  # type: ignore[arg-type]
-        slack[n] = get_timer_slack_ns()
-    assert slack[1] == slack[100] == own
-    assert slack[101] == pytest.approx(10_100_000, abs=1)  # the round interval at 101 open
-    assert slack[200] == pytest.approx(20_000_000, abs=1)
-    assert slack[300] == slack[1000] == 30_000_000  # capped at timer_slack_max_ms
-    for n in range(1000, 0, -1):
-        sender.leave(None)  # type: ignore[arg-type]
-        if n == 151:
-            assert get_timer_slack_ns() == pytest.approx(15_000_000, abs=1)
-    assert get_timer_slack_ns() == own
-    assert sender._task is not None
-    await asyncio.wait_for(sender._task, 5)
+    try:
+        sender = SharedSender()
+        slack = {}
+        for n in range(1, 1001):
+            sender.join(member(30))  # type: ignore[arg-type]
+            slack[n] = get_timer_slack_ns()
+        assert slack[1] == slack[100] == own
+        assert slack[101] == pytest.approx(10_100_000, abs=1)  # the round interval at 101 open
+        assert slack[200] == pytest.approx(20_000_000, abs=1)
+        assert slack[300] == slack[1000] == 30_000_000  # capped at timer_slack_max_ms
+        for n in range(1000, 0, -1):
+            sender.leave(None)  # type: ignore[arg-type]
+            if n == 151:
+                assert get_timer_slack_ns() == pytest.approx(15_000_000, abs=1)
+        assert get_timer_slack_ns() == own
+        assert sender._task is not None
+        await asyncio.wait_for(sender._task, 5)
 
-    off = SharedSender()
-    for _ in range(300):
-        off.join(member(0))  # type: ignore[arg-type]
-    assert get_timer_slack_ns() == own and off.timer_slack_ns is None
-    for _ in range(300):
-        off.leave(None)  # type: ignore[arg-type]
-    assert off._task is not None
-    await asyncio.wait_for(off._task, 5)
+        off = SharedSender()
+        for _ in range(300):
+            off.join(member(0))  # type: ignore[arg-type]
+        assert get_timer_slack_ns() == own and off.timer_slack_ns is None
+        for _ in range(300):
+            off.leave(None)  # type: ignore[arg-type]
+        assert off._task is not None
+        await asyncio.wait_for(off._task, 5)
+
+        # the loop ending with emitters still open (its sender task cancelled): slack given back
+        ended = SharedSender()
+        for _ in range(200):
+            ended.join(member(30))  # type: ignore[arg-type]
+        assert get_timer_slack_ns() == 20_000_000
+        assert ended._task is not None
+        ended._task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await ended._task
+        assert get_timer_slack_ns() == own and ended.timer_slack_ns is None
+
+        # someone else set the thread's slack meanwhile: theirs is kept
+        other = SharedSender()
+        for _ in range(200):
+            other.join(member(30))  # type: ignore[arg-type]
+        assert set_timer_slack_ns(7_000_000)
+        for _ in range(200):
+            other.leave(None)  # type: ignore[arg-type]
+        assert get_timer_slack_ns() == 7_000_000
+        assert other._task is not None
+        await asyncio.wait_for(other._task, 5)
+    finally:  # never leave the test thread slowed for the tests after this one
+        set_timer_slack_ns(own)
 
 
 async def test_a_shared_producer_that_can_no_longer_deliver_is_replaced_and_nothing_is_lost(
