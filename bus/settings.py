@@ -12,7 +12,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from pydantic_settings import SettingsError as PydanticSettingsError
 
@@ -141,6 +149,28 @@ class WatchdogSettings(BaseModel):
     # Per-task overrides of the fields above, e.g. {"browser": {"loop_min_repeats": 40}}.
     per_task: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
+    @field_validator("per_task")
+    @classmethod
+    def _per_task_rules_build(cls, per_task: dict[str, dict[str, Any]],
+                              info: ValidationInfo) -> dict[str, dict[str, Any]]:
+        """Each task's rules are built now, by the watchdog's own rules builder, so a typo in
+        TRAJBUS_WATCHDOG__PER_TASK is refused when the settings are read (``trajbus config``
+        too), naming the variable, not when a worker starts."""
+        if not per_task:
+            return per_task
+        # imported here: the watchdog core imports this module
+        from trajbus.consumers.watchdog.core import LoopRules
+
+        base = cls.model_construct(**info.data)
+        for task, overrides in per_task.items():
+            if "per_task" in overrides:
+                raise ValueError(f"task {task!r}: per_task cannot be nested")
+            try:
+                LoopRules.build(base, overrides)
+            except ValueError as exc:
+                raise ValueError(f"task {task!r}: {exc}") from None
+        return per_task
+
 
 class SchedulerSettings(BaseModel):
     lease_ttl_ms: int = 600_000
@@ -242,7 +272,8 @@ def settings_error_message(exc: ValidationError, model: type[BaseModel] | None =
         items = [part for part in loc if isinstance(part, int)]
         name = "TRAJBUS_" + "__".join(f.upper() for f in fields) if fields else "TRAJBUS_*"
         value = err.get("input")
-        if err.get("type") == "value_error" and isinstance(value, dict):
+        if (err.get("type") == "value_error" and isinstance(value, dict)
+                and _is_group(model, fields)):
             name += "__*"  # a rule over several of the group's fields
         if items:
             name += " (item " + ", ".join(str(i) for i in items) + ")"
@@ -270,6 +301,20 @@ def _is_leaf(model: type[BaseModel] | None, fields: list[str]) -> bool:
             continue
         return i == len(fields) - 1
     return False
+
+
+def _is_group(model: type[BaseModel] | None, fields: list[str]) -> bool:
+    """Whether ``fields`` names a group of settings (a sub-model, or the model itself), not one
+    field that holds a mapping (``TRAJBUS_WATCHDOG__PER_TASK``). Without a model: a group."""
+    for name in fields:
+        if model is None:
+            return True
+        info = model.model_fields.get(name)
+        sub = info.annotation if info is not None else None
+        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
+            return False
+        model = sub
+    return True
 
 
 def _unparsable_message(text: str) -> str:

@@ -95,3 +95,21 @@ def test_every_kind_of_mistake_names_its_variable_without_a_secret(
     assert got.returncode == 1 and "Traceback" not in got.stderr
     assert got.stderr.splitlines()[0] == f"trajbus: error: invalid settings: {expected}"
     assert SECRET not in got.stderr and "123456" not in got.stderr
+
+
+def test_a_typo_in_a_tasks_watchdog_override_is_refused_when_the_settings_are_read() -> None:
+    """TRAJBUS_WATCHDOG__PER_TASK goes through the watchdog's own rules builder when the
+    settings are read: ``trajbus config`` refuses a typo, naming the variable and the task,
+    instead of a worker failing at start."""
+    typo = _trajbus("config", TRAJBUS_WATCHDOG__PER_TASK='{"browser": {"loop_min_repeat": 40}}')
+    assert typo.returncode == 1 and "Traceback" not in typo.stderr
+    assert typo.stderr.startswith(
+        "trajbus: error: invalid settings: TRAJBUS_WATCHDOG__PER_TASK: task 'browser': unknown "
+        "watchdog setting(s): ['loop_min_repeat']"), typo.stderr
+    too_few = _trajbus("config", TRAJBUS_WATCHDOG__PER_TASK='{"web": {"loop_min_repeats": 1}}')
+    assert too_few.returncode == 1
+    assert "TRAJBUS_WATCHDOG__PER_TASK: task 'web': loop_min_repeats must be >= 2" in (
+        too_few.stderr)
+    good = _trajbus("config", TRAJBUS_WATCHDOG__PER_TASK='{"web": {"loop_min_repeats": 40}}')
+    assert good.returncode == 0, good.stderr
+    assert '"loop_min_repeats": 40' in good.stdout
