@@ -163,8 +163,6 @@ class WatchdogSettings(BaseModel):
 
         base = cls.model_construct(**info.data)
         for task, overrides in per_task.items():
-            if "per_task" in overrides:
-                raise ValueError(f"task {task!r}: per_task cannot be nested")
             try:
                 LoopRules.build(base, overrides)
             except ValueError as exc:

@@ -101,7 +101,7 @@ EVENT_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://trajbus/watchdog")
 STATE_VERSION = 1
 MAX_CYCLE_LENGTH_LIMIT = 8
 
-_RULE_KEYS = frozenset(WatchdogSettings.model_fields)
+_RULE_KEYS = frozenset(WatchdogSettings.model_fields) - {"per_task"}  # what a task overrides
 
 # ring slot layout (per remembered call)
 _R_TOOL, _R_AFP, _R_SEQ, _R_TIME, _R_RFP, _R_CID = range(6)
