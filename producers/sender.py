@@ -29,15 +29,14 @@ a second (issue 18, item 4). Here the emitters of one loop hand their ready queu
    (bench/ANALYSIS.md "Group commit"), so there is no automatic switch between them. A round
    whose sync took over ``SLOW_SYNC_WARN_S`` holds up every emitter's sends (not its emits)
    and is logged, at most every ``SLOW_SYNC_WARN_EVERY_S``;
-3. send them through the process's shared producer, emitter by emitter, each emitter's events
-   in seq order (one ``send()`` each: the producer batches them per partition, over rounds,
-   for ``linger_ms``); acks come back through each record's future.
-
-Not done: one ``send_batch`` per partition per round. Tried (issue 18): at 1,000 emitters x 1
-event/s a round holds ~2 events per partition, fewer than the producer's own batches gather
-over ``linger_ms``, and the process used the same CPU within the noise (8 alternating pairs);
-and ``send_batch`` waits until the partition's previous batch is drained, so one slow
-partition would hold up every other partition's sends in that round.
+3. hand them to the process's shared producer by partition: each (producer, topic,
+   partition) has a *lane*, the events the rounds gave it, in their order; one task per busy
+   lane builds a batch of everything queued (``create_batch``) and submits it
+   (``send_batch``), which waits only until *that* partition's previous batch is drained --
+   a slow partition holds up its own lane, no other. One delivery future per batch
+   acknowledges its events (offset = the batch's base offset + the event's place in it),
+   instead of a ``send()`` coroutine, a partition look-up and a future per event
+   (bench/ANALYSIS.md "Batches by partition").
 
 What is durable when (``durability="fsync"``): an event is in the journal (``write(2)``, so it
 survives SIGKILL of the process) when its ``emit`` returns; it is on disk (``fdatasync``) before
@@ -51,9 +50,10 @@ segment is due to roll: the emitter asks the sender for that turn).
 Failures stay per emitter: a failed journal sync stops sending *that* emitter's events (its
 journal may have lost pages; they stay journaled and are re-sent by the next emitter on the
 directory) and is reported in its ``last_error`` (a failed ``syncfs`` cannot say whose pages
-were lost, so it counts as failed for every journal it covered); an event the producer
-refuses goes back to its emitter's queue with the rest of that emitter's batch and is retried
-after a backoff without holding up the others; a failed delivery is re-queued at once. A
+were lost, so it counts as failed for every journal it covered); a batch the producer
+refuses (``send_batch`` raised) gives every event its lane held back to its emitter's queue,
+each emitter retrying after its backoff (so each keeps its seq order in the partition) while
+the other lanes go on; the events of a batch whose delivery failed are re-queued at once. A
 delivery that failed for good (an idempotent producer that lost a sequence after a long broker
 outage has every later batch of that partition refused: RELIABILITY finding Y) makes the next
 round replace the process's shared producer first; the events it failed are sent again
@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import os
 import weakref
@@ -75,6 +76,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.partitioner import murmur2
 
 from trajbus.bus.kafka import lasting_delivery_error
 from trajbus.bus.producer import replace_producer
@@ -132,6 +134,7 @@ class SharedSender:
         self._broken: AIOKafkaProducer | None = None
         self._replacement: AIOKafkaProducer | None = None
         self.replacements = 0
+        self._lanes: dict[tuple[AIOKafkaProducer, str, int], _Lane] = {}
 
     # -- membership ---------------------------------------------------------------------------
     def join(self, em: SandboxEmitter) -> None:
@@ -390,20 +393,25 @@ class SharedSender:
         self._slow_longest = 0.0
 
     async def _send(self, batches: list[tuple[SandboxEmitter, list[_Item]]]) -> None:
+        """Hand each emitter's events, in seq order, to the lanes of their partitions."""
+        counts: dict[tuple[AIOKafkaProducer, str], int] = {}  # partitions, once per round
+        busy: list[tuple[tuple[AIOKafkaProducer, str, int], _Lane]] = []
         for em, batch in batches:
             try:
-                await self._send_one(em, batch)
+                await self._hand_over(em, batch, counts, busy)
             except Exception as exc:  # a broken emitter must not stop the others
                 em._sender_stop(f"sender: {type(exc).__name__}: {exc}")
+        for key, lane in busy:
+            if lane.task is None and lane.entries:
+                lane.task = asyncio.get_running_loop().create_task(
+                    self._run_lane(key, lane), name="trajbus-emitter-lane")
 
-    async def _send_one(self, em: SandboxEmitter, batch: list[_Item]) -> None:
-        """``em``'s events in seq order, one ``send()`` each: the producer appends them to its
-        batch of their partition (which it sends after ``linger_ms``, so a batch gathers the
-        events of several rounds); each record's future acknowledges its event."""
+    async def _hand_over(self, em: SandboxEmitter, batch: list[_Item],
+                         counts: dict[tuple[AIOKafkaProducer, str], int],
+                         busy: list[tuple[tuple[AIOKafkaProducer, str, int], _Lane]]) -> None:
         producer = self._producer_of(em)
         assert producer is not None
         key = em._key
-        keep_value = em._on_ack is not None
         for i, item in enumerate(batch):
             if not em._sender_active():  # paused or closed while this round awaited
                 em._sender_put_back(batch[i:])
@@ -412,31 +420,108 @@ class SharedSender:
             if value is None:  # pragma: no cover - journal vanished under us
                 em._sender_put_back(batch[i:])
                 raise RuntimeError(f"journal read: {em.last_error}")
-            try:
-                fut = await producer.send(item.topic, value, key=key)
-            except Exception as exc:  # KafkaTimeoutError, connection errors...
-                em._sender_retry(batch[i:], f"{type(exc).__name__}: {exc}")
-                return
+            count = counts.get((producer, item.topic))
+            if count is None:
+                try:  # known metadata: no wait
+                    count = len(await producer.partitions_for(item.topic))
+                except Exception as exc:  # KafkaTimeoutError, connection errors...
+                    em._sender_retry(batch[i:], f"{type(exc).__name__}: {exc}")
+                    return
+                counts[(producer, item.topic)] = count
+            lane_key = (producer, item.topic, partition_of(key, count))
+            lane = self._lanes.get(lane_key)
+            if lane is None:
+                lane = self._lanes[lane_key] = _Lane()
+            if lane.task is None or not lane.entries:  # a task to start, or to keep going
+                busy.append((lane_key, lane))
+            lane.entries.append((em, item, value))
             item.in_flight = True
-            fut.add_done_callback(functools.partial(_delivered, em, item,
-                                                    value if keep_value else None, producer))
-        em._sender_sent_ok()
+
+    async def _run_lane(self, key: tuple[AIOKafkaProducer, str, int], lane: _Lane) -> None:
+        """Send what ``lane`` holds, a batch at a time, until it is empty; then the lane is
+        dropped (the next round makes a new one). The only task of its lane: the partition's
+        batches go in the order the rounds queued their events."""
+        producer, topic, partition = key
+        entries: list[tuple[SandboxEmitter, _Item, bytes]] = []
+        start = 0
+        try:
+            while lane.entries:
+                entries, lane.entries = lane.entries, []
+                start = 0
+                while start < len(entries):
+                    builder = producer.create_batch()
+                    end = start
+                    for em, _item, value in itertools.islice(entries, start, None):
+                        if builder.append(timestamp=None, key=em._key, value=value) is None:
+                            break  # full (a batch's first record always fits)
+                        end += 1
+                    chunk = entries[start:end]
+                    try:
+                        fut = await producer.send_batch(builder, topic, partition=partition)
+                    except Exception as exc:  # KafkaTimeoutError, a closed producer...
+                        # everything this lane holds goes back, so each emitter's events stay
+                        # in seq order within the partition
+                        rest, lane.entries = entries[start:] + lane.entries, []
+                        _refused(rest, f"{type(exc).__name__}: {exc}")
+                        return
+                    fut.add_done_callback(functools.partial(
+                        self._batch_delivered, producer, topic, partition, chunk))
+                    for em, _item, _value in chunk:
+                        em._sender_sent_ok()
+                    start = end
+        except asyncio.CancelledError:  # the loop is ending: what was not sent goes back
+            rest, lane.entries = entries[start:] + lane.entries, []
+            _refused(rest, "sender cancelled")
+            raise
+        finally:
+            lane.task = None
+            if self._lanes.get(key) is lane and not lane.entries:
+                del self._lanes[key]
+
+    def _batch_delivered(self, producer: AIOKafkaProducer, topic: str, partition: int,
+                         chunk: list[tuple[SandboxEmitter, _Item, bytes]],
+                         fut: asyncio.Future[Any]) -> None:
+        """A batch's delivery future resolved: acknowledge (or fail) each of its events."""
+        exc: BaseException | None = (asyncio.CancelledError() if fut.cancelled()
+                                     else fut.exception())
+        if exc is not None:
+            if lasting_delivery_error(exc):
+                self.producer_failed(producer, exc)
+            for em, item, _value in chunk:
+                em._sender_failed(item, exc)
+            return
+        base = fut.result().offset
+        for i, (em, item, value) in enumerate(chunk):
+            em._sender_acked(item, topic, partition, base + i,
+                             value if em._on_ack is not None else None)
 
 
-def _delivered(em: SandboxEmitter, item: _Item, value: bytes | None,
-               producer: AIOKafkaProducer, fut: asyncio.Future[Any]) -> None:
-    """A record's delivery future resolved: acknowledge (or fail) its event."""
-    if fut.cancelled():
-        em._sender_failed(item, asyncio.CancelledError())
-        return
-    exc = fut.exception()
-    if exc is not None:
-        if lasting_delivery_error(exc) and em._shared is not None:
-            em._shared.producer_failed(producer, exc)
-        em._sender_failed(item, exc)
-        return
-    md = fut.result()
-    em._sender_acked(item, md.topic, md.partition, md.offset, value)
+class _Lane:
+    """The events handed to one (producer, topic, partition), in the order rounds queued
+    them, and the one task sending them (None while idle)."""
+
+    __slots__ = ("entries", "task")
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[SandboxEmitter, _Item, bytes]] = []
+        self.task: asyncio.Task[None] | None = None
+
+
+def _refused(entries: list[tuple[SandboxEmitter, _Item, bytes]], error: str) -> None:
+    """The producer would not take these: back to their emitters, retried after a backoff."""
+    by_emitter: dict[SandboxEmitter, list[_Item]] = {}
+    for em, item, _value in entries:
+        item.in_flight = False
+        by_emitter.setdefault(em, []).append(item)
+    for em, items in by_emitter.items():
+        em._sender_retry(items, error)
+
+
+@functools.lru_cache(maxsize=65536)
+def partition_of(key: bytes, count: int) -> int:
+    """The partition of ``key`` among ``count``: murmur2, as aiokafka's and Kafka's default
+    partitioners pick it, so every producer of a sandbox's key writes to one partition."""
+    return (murmur2(key) & 0x7FFFFFFF) % count
 
 
 _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SharedSender] = (

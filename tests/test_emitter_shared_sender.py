@@ -16,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from aiokafka.producer.message_accumulator import BatchBuilder
 
 from trajbus.bus import producer as producer_mod
 from trajbus.bus.producer import close_producer, get_producer
@@ -23,7 +24,7 @@ from trajbus.bus.topics import Topics
 from trajbus.producers.emitter import AckInfo, SandboxEmitter
 from trajbus.producers.journal import Journal
 from trajbus.producers.journal import syncfs as journal_syncfs
-from trajbus.producers.sender import shared_sender
+from trajbus.producers.sender import partition_of, shared_sender
 from trajbus.producers.testing import check_streams, create_topics, make_settings, read_topics
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]
@@ -119,13 +120,14 @@ async def test_every_event_is_sent_after_a_sync_of_its_append(kafka_broker, uniq
     monkeypatch.setattr(sender, "_sync_fn", sync)
     monkeypatch.setattr(sender, "_syncfs_fn", sync_filesystem)
     syncfs_before = sender.syncfs_calls
-    producer = await get_producer(s.kafka)
+    await get_producer(s.kafka)
     appended: dict[bytes, list[tuple[int, int]]] = defaultdict(list)  # key -> (inode, size)
     sends: dict[bytes, int] = defaultdict(int)
     late: list[str] = []
-    real_send = producer.send
+    real_append = BatchBuilder.append
 
-    async def send(topic, value, key=None, **kw):
+    def append(self: BatchBuilder, *, timestamp, key, value, headers=()):
+        # an event goes into a batch only once its journal write is on disk
         i = sends[key]
         sends[key] += 1
         if i < len(appended[key]):
@@ -134,9 +136,10 @@ async def test_every_event_is_sent_after_a_sync_of_its_append(kafka_broker, uniq
                 late.append(f"{key!r} #{i}: synced {synced[ino]} < appended {size}")
         else:
             late.append(f"{key!r} #{i}: sent before its emit returned")
-        return await real_send(topic, value, key=key, **kw)
+        return real_append(self, timestamp=timestamp, key=key, value=value,
+                           headers=list(headers))
 
-    monkeypatch.setattr(producer, "send", send)
+    monkeypatch.setattr(BatchBuilder, "append", append)
     ems = [await SandboxEmitter(f"sb-{i}", "task-a", settings=s).start() for i in range(10)]
 
     async def drive(em: SandboxEmitter) -> None:
@@ -417,16 +420,16 @@ async def test_a_shared_producer_that_can_no_longer_deliver_is_replaced_and_noth
     ems = [await SandboxEmitter(f"sb-{i}", "task-a", settings=s).start() for i in range(4)]
     broken = await get_producer(s.kafka)
     builds = producer_mod.builds
-    real_send = AIOKafkaProducer.send
+    real_send_batch = AIOKafkaProducer.send_batch
 
-    async def send(self: AIOKafkaProducer, *args, **kwargs):
+    async def send_batch(self: AIOKafkaProducer, *args, **kwargs):
         if self is broken:
             failed = asyncio.get_running_loop().create_future()
             failed.set_exception(OutOfOrderSequenceNumber())
             return failed
-        return await real_send(self, *args, **kwargs)
+        return await real_send_batch(self, *args, **kwargs)
 
-    monkeypatch.setattr(AIOKafkaProducer, "send", send)
+    monkeypatch.setattr(AIOKafkaProducer, "send_batch", send_batch)
     for em in ems:
         await em.start_episode("e")
         for i in range(5):
@@ -440,5 +443,91 @@ async def test_a_shared_producer_that_can_no_longer_deliver_is_replaced_and_noth
     seen = await read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= total)
     assert len({x.header["event_id"] for x in seen}) == total
     assert check_streams(seen).problems() == []
+    for em in ems:
+        assert await em.close(10)
+
+
+async def test_a_partition_whose_batches_wait_holds_up_only_its_own_lane(
+        kafka_broker, unique_name, tmp_path, monkeypatch):
+    """Events are handed to one lane per partition: a partition whose next batch must wait
+    (its leader away, its previous batch not drained) delays only the events keyed to it."""
+    from aiokafka import AIOKafkaProducer
+
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, partitions=3)
+    await create_topics(s)
+    ems = [await SandboxEmitter(f"sb-{i}", "task-a", settings=s).start() for i in range(12)]
+    slow = [em for em in ems if partition_of(em._key, 3) == 0]
+    fast = [em for em in ems if partition_of(em._key, 3) != 0]
+    assert slow and fast
+    gate = asyncio.Event()
+    held: list[int] = []  # records in each batch that waited
+    real_send_batch = AIOKafkaProducer.send_batch
+    events = Topics(s).sandbox_events
+
+    async def send_batch(self, builder, topic, *, partition):
+        if topic == events and partition == 0 and not gate.is_set():
+            held.append(builder.record_count())
+            await gate.wait()
+        return await real_send_batch(self, builder, topic, partition=partition)
+
+    monkeypatch.setattr(AIOKafkaProducer, "send_batch", send_batch)
+    for em in ems:
+        await em.start_episode("e")
+        await em.tool_call("e", "t", {"i": 0})
+    assert all(await asyncio.gather(*(em.flush(30) for em in fast)))
+    assert held and all(em._unacked for em in slow)
+    for em in ems:  # more events queue behind the waiting batch, in order
+        await em.tool_call("e", "t", {"i": 1})
+        await em.end_episode("e")
+    assert all(await asyncio.gather(*(em.flush(30) for em in fast)))
+    assert all(em._unacked for em in slow)
+    gate.set()
+    assert all(await asyncio.gather(*(em.flush(30) for em in slow)))
+    total = len(ems) * 4
+    seen = await read_topics(s, [events], lambda xs: len(xs) >= total)
+    assert len(seen) == total and check_streams(seen).problems() == []
+    for sandbox, seqs in _by_sandbox_in_offset_order(seen).items():
+        assert seqs == [0, 1, 2, 3], sandbox
+    for em in ems:
+        assert await em.close(10)
+
+
+async def test_a_batch_the_producer_refuses_goes_back_and_is_sent_once_in_order(
+        kafka_broker, unique_name, tmp_path, monkeypatch):
+    """send_batch refusing (a full or timed-out accumulator, a closed producer) gives every
+    event its lane held back to its emitter, retried after a backoff: none lost, none twice,
+    each sandbox's events in seq order in its partition."""
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.errors import KafkaTimeoutError
+
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, partitions=2)
+    await create_topics(s)
+    ems = [await SandboxEmitter(f"sb-{i}", "task-a", settings=s).start() for i in range(6)]
+    refusals = [3]
+    real_send_batch = AIOKafkaProducer.send_batch
+
+    async def send_batch(self, builder, topic, *, partition):
+        if refusals[0] > 0:
+            refusals[0] -= 1
+            raise KafkaTimeoutError()
+        return await real_send_batch(self, builder, topic, partition=partition)
+
+    monkeypatch.setattr(AIOKafkaProducer, "send_batch", send_batch)
+    per = 10
+    for em in ems:
+        await em.start_episode("e")
+    for i in range(per):
+        for em in ems:
+            await em.tool_call("e", "t", {"i": i})
+    for em in ems:
+        await em.end_episode("e")
+    assert all(await asyncio.gather(*(em.flush(30) for em in ems)))
+    assert refusals == [0]
+    assert any("KafkaTimeoutError" in (em.last_error or "") for em in ems)
+    total = len(ems) * (per + 2)
+    seen = await read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= total)
+    assert len(seen) == total and check_streams(seen).problems() == []
+    for sandbox, seqs in _by_sandbox_in_offset_order(seen).items():
+        assert seqs == list(range(per + 2)), sandbox
     for em in ems:
         assert await em.close(10)
