@@ -437,17 +437,107 @@ def _record_writer(fields: list[tuple[str, _Enc]]) -> _Enc:
 
 
 def _compile_record(schema: Any, header: bytes) -> Callable[[dict[str, Any]], bytes] | None:
+    """The encoder of one schema: Python source generated from it and compiled once, records,
+    optional unions, enums and the common primitives written inline (one function call per
+    event instead of one per field: 2x faster on a ToolCall); arrays, maps, floats and doubles
+    call the closures of :func:`_compile`. Same bytes and same fallbacks as those closures."""
+    named: dict[str, _Enc | None] = {}
     try:
-        enc = _compile(schema, {})
+        _compile(schema, named)  # every named type's closure, for what is delegated
+        source, env = _EncoderSource(named).build(schema)
     except (_Unsupported, KeyError, TypeError, ValueError):
         return None
-
-    def encode(record: dict[str, Any]) -> bytes:
-        buf = bytearray(header)
-        enc(buf, record)
-        return bytes(buf)
-
+    env.update(_HEADER=header, _Fallback=_Fallback, _SMALL=_SMALL, _varint=_varint,
+               _LONG_MIN=_LONG_MIN, _LONG_MAX=_LONG_MAX, _INT_MIN=_INT_MIN, _INT_MAX=_INT_MAX)
+    exec(compile(source, "<trajbus avro encoder>", "exec"), env)  # our own source
+    encode: Callable[[dict[str, Any]], bytes] = env["encode"]
     return encode
+
+
+class _EncoderSource:
+    """Writes the source of ``encode(record) -> bytes`` for a schema (see _compile_record)."""
+
+    def __init__(self, named: dict[str, _Enc | None]) -> None:
+        self.named = named  # name -> closure (delegated kinds, enums)
+        self.schemas: dict[str, Any] = {}  # name -> schema, for records referred to by name
+        self.env: dict[str, Any] = {}
+        self.lines: list[str] = []
+        self.n = 0
+
+    def build(self, schema: Any) -> tuple[str, dict[str, Any]]:
+        self.lines = ["def encode(v0):", "    buf = bytearray(_HEADER)", "    try:"]
+        self.value(schema, "v0", 2)
+        self.lines += ["    except (KeyError, UnicodeEncodeError):",
+                       "        raise _Fallback from None", "    return bytes(buf)"]
+        return "\n".join(self.lines) + "\n", self.env
+
+    def const(self, value: Any) -> str:
+        self.n += 1
+        name = f"_c{self.n}"
+        self.env[name] = value
+        return name
+
+    def var(self) -> str:
+        self.n += 1
+        return f"v{self.n}"
+
+    def emit(self, depth: int, *lines: str) -> None:
+        self.lines.extend("    " * depth + line for line in lines)
+
+    def value(self, t: Any, v: str, d: int) -> None:
+        if isinstance(t, dict) and t.get("type") in _PRIMITIVE and "logicalType" not in t:
+            t = t["type"]
+        if isinstance(t, str) and t not in _PRIMITIVE:
+            if t not in self.schemas:  # an enum (or what _compile delegated): its closure
+                enc = self.named.get(t)
+                if enc is None:
+                    raise _Unsupported(t)
+                self.emit(d, f"{self.const(enc)}(buf, {v})")
+                return
+            t = self.schemas[t]
+        if t == "string":
+            self.emit(d, f"if type({v}) is not str: raise _Fallback",
+                      f"b = {v}.encode('utf-8')", "n = len(b)",
+                      "buf += _SMALL[n + 1024] if n < 1024 else _varint(n)", "buf += b")
+        elif t == "bytes":
+            self.emit(d, f"if type({v}) is not bytes: raise _Fallback", f"n = len({v})",
+                      "buf += _SMALL[n + 1024] if n < 1024 else _varint(n)", f"buf += {v}")
+        elif t in ("long", "int"):
+            lo, hi = ("_LONG_MIN", "_LONG_MAX") if t == "long" else ("_INT_MIN", "_INT_MAX")
+            self.emit(d, f"if type({v}) is not int: raise _Fallback",
+                      f"if -1024 <= {v} < 1024: buf += _SMALL[{v} + 1024]",
+                      f"elif {lo} <= {v} <= {hi}: buf += _varint({v})",
+                      "else: raise _Fallback")
+        elif t == "boolean":
+            self.emit(d, f"if {v} is True: buf += b'\\x01'",
+                      f"elif {v} is False: buf += b'\\x00'", "else: raise _Fallback")
+        elif t == "null":
+            self.emit(d, f"if {v} is not None: raise _Fallback")
+        elif isinstance(t, list):
+            if len(t) != 2 or "null" not in t or t[0] == t[1]:
+                raise _Unsupported(str(t))
+            null_at = t.index("null")
+            null_tag, other_tag = (b"\x00", b"\x02") if null_at == 0 else (b"\x02", b"\x00")
+            self.emit(d, f"if {v} is None: buf += {null_tag!r}", "else:",
+                      f"    buf += {other_tag!r}")
+            self.value(t[1 - null_at], v, d + 1)
+        elif isinstance(t, dict) and t.get("type") == "record" and "logicalType" not in t:
+            self.schemas[t["name"]] = t
+            fields = t["fields"]
+            self.emit(d, f"if type({v}) is not dict or len({v}) != {len(fields)}: "
+                         "raise _Fallback")
+            for f in fields:
+                x = self.var()
+                self.emit(d, f"{x} = {v}[{f['name']!r}]")
+                self.value(f["type"], x, d)
+        else:  # enum, array, map, float, double: the closure _compile made
+            if isinstance(t, dict) and t.get("type") == "enum":
+                enc = self.named.get(t["name"])
+            else:
+                enc = _compile(t, self.named)
+            if enc is None:
+                raise _Unsupported(str(t))
+            self.emit(d, f"{self.const(enc)}(buf, {v})")
 
 
 # -- header-first decoding -------------------------------------------------------------------
