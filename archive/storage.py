@@ -39,6 +39,8 @@ from urllib.parse import urlparse
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from trajbus.bus.settings import mask_url_credentials
+
 MULTIPART_THRESHOLD = 16 * 1024 * 1024
 MULTIPART_CHUNK = 16 * 1024 * 1024
 RETRY_FIRST_WAIT_S = 0.5
@@ -355,29 +357,30 @@ class S3Store(ObjectStore):
         try:
             self._client.head_bucket(Bucket=self.bucket)
         except (NoCredentialsError, PartialCredentialsError) as exc:
-            raise StoreConfigError(
+            raise StoreConfigError(mask_url_credentials(
                 f"no AWS credentials for {self.url}: set AWS_ACCESS_KEY_ID and "
                 "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE / an instance role)"
-            ) from exc
+            )) from exc
         except ClientError as exc:
             code = str(exc.response.get("Error", {}).get("Code", ""))
             if code in ("404", "NoSuchBucket", "NotFound"):
-                raise StoreConfigError(
+                raise StoreConfigError(mask_url_credentials(
                     f"bucket {self.bucket!r} does not exist"
                     f"{' at ' + self.endpoint_url if self.endpoint_url else ''}: create it, or "
                     "set TRAJBUS_ARCHIVE__URL=s3://<existing-bucket>/<prefix>"
-                ) from exc
+                )) from exc
             if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
                 raise StoreConfigError(
                     f"access to bucket {self.bucket!r} denied ({code}): check AWS_ACCESS_KEY_ID"
                     " / AWS_SECRET_ACCESS_KEY and the bucket policy"
                 ) from exc
-            raise StoreConfigError(f"cannot reach bucket {self.bucket!r}: {exc}") from exc
+            raise StoreConfigError(mask_url_credentials(
+                f"cannot reach bucket {self.bucket!r}: {exc}")) from exc
         except BotoCoreError as exc:
-            raise StoreConfigError(
+            raise StoreConfigError(mask_url_credentials(
                 f"cannot reach S3 for {self.url} ({type(exc).__name__}: {exc}); set "
                 "TRAJBUS_ARCHIVE__S3_ENDPOINT_URL for a non-AWS endpoint"
-            ) from exc
+            )) from exc
 
     # -- keys ------------------------------------------------------------------------------
     def _k(self, key: str) -> str:

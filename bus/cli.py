@@ -7,7 +7,7 @@ import asyncio
 import json
 from typing import Any
 
-from trajbus.bus.settings import get_settings, read_settings
+from trajbus.bus.settings import get_settings, mask_url_credentials, read_settings
 from trajbus.bus.topics import Topics
 
 
@@ -166,5 +166,16 @@ def _config(args: argparse.Namespace) -> int:
     data = read_settings().model_dump(mode="json")
     if data["kafka"].get("sasl_password"):
         data["kafka"]["sasl_password"] = "***"
-    print(json.dumps(data, indent=2))
+    print(json.dumps(_masked(data), indent=2))
     return 0
+
+
+def _masked(value: Any) -> Any:
+    """Settings as printed: a URL's user-info (``s3://key:secret@...``) shown as ``***@``."""
+    if isinstance(value, str):
+        return mask_url_credentials(value)
+    if isinstance(value, dict):
+        return {k: _masked(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_masked(v) for v in value]
+    return value

@@ -327,6 +327,15 @@ def _unparsable_message(text: str) -> str:
            "not parse"
 
 
+_URL_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+
+
+def mask_url_credentials(text: str) -> str:
+    """``text`` with the user-info of every URL in it (``scheme://user:password@host``)
+    replaced by ``***@``: what ``trajbus config`` and error messages print of a URL."""
+    return _URL_USERINFO.sub("***@", text) if "@" in text else text
+
+
 def _is_secret(field: str) -> bool:
     field = field.lower()
     return any(word in field for word in ("password", "secret", "token", "credential"))

@@ -174,9 +174,10 @@ def _py_files() -> list[Path]:
 
 # exec() calls reviewed: each compiles code generated from trusted input only.
 _REVIEWED_EXEC = {
-    # the header-first reader (issue 17): generated from this package's own bundled reader
-    # schemas only (Codec._bundled), names and constants written with repr(); data is only
-    # ever an argument of the generated function
+    # the header-first reader (issue 17) and the record encoder (issue 18): generated from
+    # this package's own bundled reader schemas only (Codec._bundled / the registry's
+    # readers), field names written with repr(), other constants passed in the namespace;
+    # data is only ever an argument of the generated function
     ("schemas/codec.py", "exec"),
 }
 

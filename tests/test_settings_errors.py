@@ -6,6 +6,7 @@ clear. Settings read by the library (``get_settings``) raise the same message as
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -113,3 +114,27 @@ def test_a_typo_in_a_tasks_watchdog_override_is_refused_when_the_settings_are_re
     good = _trajbus("config", TRAJBUS_WATCHDOG__PER_TASK='{"web": {"loop_min_repeats": 40}}')
     assert good.returncode == 0, good.stderr
     assert '"loop_min_repeats": 40' in good.stdout
+
+
+def test_config_shows_a_url_but_never_its_credentials() -> None:
+    got = _trajbus("config", TRAJBUS_ARCHIVE__URL="s3://AKIAEXAMPLE:s3cr3tkey@bucket/prefix",
+                   TRAJBUS_ARCHIVE__S3_ENDPOINT_URL="http://minio:m1n1opass@127.0.0.1:9000")
+    assert got.returncode == 0, got.stderr
+    for secret in ("AKIAEXAMPLE", "s3cr3tkey", "m1n1opass"):
+        assert secret not in got.stdout
+    archive = json.loads(got.stdout)["archive"]
+    assert archive["url"] == "s3://***@bucket/prefix"
+    assert archive["s3_endpoint_url"] == "http://***@127.0.0.1:9000"
+
+
+def test_a_urls_user_info_is_masked_wherever_it_is_quoted() -> None:
+    from trajbus.bus.settings import mask_url_credentials
+
+    assert mask_url_credentials(
+        'cannot reach S3 for s3://k:s@b/p (EndpointConnectionError: Could not connect to the '
+        'endpoint URL: "https://tok@host:9000/b"); set ...') == (
+        'cannot reach S3 for s3://***@b/p (EndpointConnectionError: Could not connect to the '
+        'endpoint URL: "https://***@host:9000/b"); set ...')
+    for plain in ("s3://bucket/prefix", "http://127.0.0.1:9000/a@b", ".trajbus/archive",
+                  "user@example.com"):
+        assert mask_url_credentials(plain) == plain
