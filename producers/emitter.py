@@ -619,6 +619,13 @@ class SandboxEmitter:
     def _sender_active(self) -> bool:
         return self._send_state == "active"
 
+    def _sender_may_send(self, rid: int, now: float) -> bool:
+        """May the taken event ``rid`` go to the producer now: active, not backing off, and no
+        earlier event of this emitter back in its queue (refused or failed while ``rid``
+        waited: it must not overtake them)."""
+        return (self._send_state == "active" and self._retry_at <= now
+                and not (self._pending and self._pending[0][0] < rid))
+
     def _sender_take(self, limit: int, now: float) -> list[_Item]:
         """Up to ``limit`` pending events in record-id (seq) order for this round; none while
         not active or backing off. With nothing pending this is an ack turn: the collected

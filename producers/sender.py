@@ -52,12 +52,16 @@ journal may have lost pages; they stay journaled and are re-sent by the next emi
 directory) and is reported in its ``last_error`` (a failed ``syncfs`` cannot say whose pages
 were lost, so it counts as failed for every journal it covered); a batch the producer
 refuses (``send_batch`` raised) gives every event its lane held back to its emitter's queue,
-each emitter retrying after its backoff (so each keeps its seq order in the partition) while
-the other lanes go on; the events of a batch whose delivery failed are re-queued at once. A
+each emitter retrying after its backoff, while the other lanes go on; the events of a batch
+whose delivery failed are re-queued at once. An event is handed to a lane, and put into a
+batch, only while its emitter is active and holds no earlier event back in its queue, so a
+refusal never lets an emitter's later events overtake its earlier ones in the partition, and
+a paused or closed emitter's events waiting in a lane go back unsent. A
 delivery that failed for good (an idempotent producer that lost a sequence after a long broker
 outage has every later batch of that partition refused: RELIABILITY finding Y) makes the next
 round replace the process's shared producer first; the events it failed are sent again
-through the new one.
+through the new one, and so are those of its batches still unresolved once it is stopped
+(aiokafka may have appended one to its closing accumulator, where it would never resolve).
 
 The sender talks to its emitters through a small protocol (the ``_sender_*`` methods of
 :class:`~trajbus.producers.emitter.SandboxEmitter`): take a batch, the journal fd to sync, put
@@ -134,7 +138,9 @@ class SharedSender:
         self._broken: AIOKafkaProducer | None = None
         self._replacement: AIOKafkaProducer | None = None
         self.replacements = 0
-        self._lanes: dict[tuple[AIOKafkaProducer, str, int], _Lane] = {}
+        self._lanes: dict[tuple[str, int], _Lane] = {}  # (topic, partition)
+        # submitted batches not yet acknowledged or failed, by producer
+        self._unsettled: dict[AIOKafkaProducer, set[_Sent]] = {}
 
     # -- membership ---------------------------------------------------------------------------
     def join(self, em: SandboxEmitter) -> None:
@@ -267,6 +273,7 @@ class SharedSender:
                         type(exc).__name__, exc)
             return False
         self.replacements += 1
+        self._settle_replaced(self._broken)
         return True
 
     def _producer_of(self, em: SandboxEmitter) -> AIOKafkaProducer | None:
@@ -394,26 +401,29 @@ class SharedSender:
 
     async def _send(self, batches: list[tuple[SandboxEmitter, list[_Item]]]) -> None:
         """Hand each emitter's events, in seq order, to the lanes of their partitions."""
-        counts: dict[tuple[AIOKafkaProducer, str], int] = {}  # partitions, once per round
-        busy: list[tuple[tuple[AIOKafkaProducer, str, int], _Lane]] = []
+        counts: dict[tuple[AIOKafkaProducer, str], int | str] = {}  # per round: or the error
+        busy: dict[tuple[str, int], _Lane] = {}
         for em, batch in batches:
             try:
                 await self._hand_over(em, batch, counts, busy)
             except Exception as exc:  # a broken emitter must not stop the others
                 em._sender_stop(f"sender: {type(exc).__name__}: {exc}")
-        for key, lane in busy:
+        for key, lane in busy.items():
             if lane.task is None and lane.entries:
                 lane.task = asyncio.get_running_loop().create_task(
                     self._run_lane(key, lane), name="trajbus-emitter-lane")
 
     async def _hand_over(self, em: SandboxEmitter, batch: list[_Item],
-                         counts: dict[tuple[AIOKafkaProducer, str], int],
-                         busy: list[tuple[tuple[AIOKafkaProducer, str, int], _Lane]]) -> None:
+                         counts: dict[tuple[AIOKafkaProducer, str], int | str],
+                         busy: dict[tuple[str, int], _Lane]) -> None:
         producer = self._producer_of(em)
         assert producer is not None
         key = em._key
+        loop = asyncio.get_running_loop()
         for i, item in enumerate(batch):
-            if not em._sender_active():  # paused or closed while this round awaited
+            # Paused or closed while this round awaited, or earlier events of this emitter
+            # were refused meanwhile (these must not overtake them): back to its queue.
+            if not em._sender_may_send(item.rid, loop.time()):
                 em._sender_put_back(batch[i:])
                 return
             value = em._sender_value(item)
@@ -422,78 +432,150 @@ class SharedSender:
                 raise RuntimeError(f"journal read: {em.last_error}")
             count = counts.get((producer, item.topic))
             if count is None:
-                try:  # known metadata: no wait
+                try:  # known metadata: no wait; unknown: once per topic and round
                     count = len(await producer.partitions_for(item.topic))
                 except Exception as exc:  # KafkaTimeoutError, connection errors...
-                    em._sender_retry(batch[i:], f"{type(exc).__name__}: {exc}")
-                    return
+                    count = f"{type(exc).__name__}: {exc}"
                 counts[(producer, item.topic)] = count
-            lane_key = (producer, item.topic, partition_of(key, count))
+            if isinstance(count, str):
+                em._sender_retry(batch[i:], count)
+                return
+            lane_key = (item.topic, partition_of(key, count))
             lane = self._lanes.get(lane_key)
             if lane is None:
                 lane = self._lanes[lane_key] = _Lane()
-            if lane.task is None or not lane.entries:  # a task to start, or to keep going
-                busy.append((lane_key, lane))
+            busy[lane_key] = lane
             lane.entries.append((em, item, value))
             item.in_flight = True
 
-    async def _run_lane(self, key: tuple[AIOKafkaProducer, str, int], lane: _Lane) -> None:
-        """Send what ``lane`` holds, a batch at a time, until it is empty; then the lane is
-        dropped (the next round makes a new one). The only task of its lane: the partition's
-        batches go in the order the rounds queued their events."""
-        producer, topic, partition = key
+    async def _run_lane(self, key: tuple[str, int], lane: _Lane) -> None:
+        """Send what ``lane`` holds, a batch at a time, through the process's current producer,
+        until it is empty; then the lane is dropped (the next round makes a new one). The only
+        task of its lane: the partition's batches go in the order the rounds queued their
+        events. Whatever it took and did not submit goes back to its emitters, however the task
+        ends (an event is in flight from its hand-over until submitted, acked or given back)."""
+        topic, partition = key
         entries: list[tuple[SandboxEmitter, _Item, bytes]] = []
         start = 0
+        ended = "sender stopped"
         try:
             while lane.entries:
                 entries, lane.entries = lane.entries, []
                 start = 0
                 while start < len(entries):
+                    producer = self._producer_of(entries[start][0])
+                    assert producer is not None
                     builder = producer.create_batch()
+                    chunk: list[tuple[SandboxEmitter, _Item, bytes]] = []
                     end = start
-                    for em, _item, value in itertools.islice(entries, start, None):
-                        if builder.append(timestamp=None, key=em._key, value=value) is None:
+                    now = asyncio.get_running_loop().time()
+                    for entry in itertools.islice(entries, start, None):
+                        em, item, value = entry
+                        # paused or closed since its round, or an earlier event of its
+                        # emitter failed and went back meanwhile: back to its queue
+                        if not em._sender_may_send(item.rid, now):
+                            item.in_flight = False
+                            em._sender_put_back([item])
+                        elif builder.append(timestamp=None, key=em._key, value=value) is None:
                             break  # full (a batch's first record always fits)
+                        else:
+                            chunk.append(entry)
                         end += 1
-                    chunk = entries[start:end]
-                    try:
-                        fut = await producer.send_batch(builder, topic, partition=partition)
-                    except Exception as exc:  # KafkaTimeoutError, a closed producer...
-                        # everything this lane holds goes back, so each emitter's events stay
-                        # in seq order within the partition
-                        rest, lane.entries = entries[start:] + lane.entries, []
-                        _refused(rest, f"{type(exc).__name__}: {exc}")
-                        return
-                    fut.add_done_callback(functools.partial(
-                        self._batch_delivered, producer, topic, partition, chunk))
-                    for em, _item, _value in chunk:
-                        em._sender_sent_ok()
+                    if chunk:
+                        try:
+                            fut = await producer.send_batch(builder, topic,
+                                                            partition=partition)
+                        except Exception as exc:  # KafkaTimeoutError, a closed producer...
+                            # everything this lane holds goes back, so each emitter's events
+                            # stay in seq order within the partition
+                            if lasting_delivery_error(exc):
+                                self.producer_failed(producer, exc)
+                            ended = f"{type(exc).__name__}: {exc}"
+                            return
+                        self._submitted(producer, topic, partition, chunk, fut)
+                        for em, _item, _value in chunk:
+                            em._sender_sent_ok()
                     start = end
-        except asyncio.CancelledError:  # the loop is ending: what was not sent goes back
-            rest, lane.entries = entries[start:] + lane.entries, []
-            _refused(rest, "sender cancelled")
+        except asyncio.CancelledError:
+            ended = "sender cancelled"
             raise
         finally:
+            rest = [e for e in itertools.chain(itertools.islice(entries, start, None),
+                                               lane.entries) if e[1].in_flight]
+            lane.entries = []
+            if rest:
+                _refused(rest, ended)
             lane.task = None
-            if self._lanes.get(key) is lane and not lane.entries:
+            if self._lanes.get(key) is lane:
                 del self._lanes[key]
 
+    def _submitted(self, producer: AIOKafkaProducer, topic: str, partition: int,
+                   chunk: list[tuple[SandboxEmitter, _Item, bytes]],
+                   fut: asyncio.Future[Any]) -> None:
+        """A batch is in ``producer``'s accumulator: its future settles its events -- unless
+        the producer is replaced first (see :meth:`_settle_replaced`)."""
+        sent = _Sent(chunk, fut)
+        if producer is self._broken and self._replacement is not None:
+            # appended while the broken producer was being stopped: its flush may not cover
+            # it, so it may never resolve -- sent again through the replacement
+            self._settle(sent, producer, topic, partition, _REPLACED)
+            return
+        self._unsettled.setdefault(producer, set()).add(sent)
+        fut.add_done_callback(functools.partial(self._batch_delivered, producer, topic,
+                                                partition, sent))
+
     def _batch_delivered(self, producer: AIOKafkaProducer, topic: str, partition: int,
-                         chunk: list[tuple[SandboxEmitter, _Item, bytes]],
-                         fut: asyncio.Future[Any]) -> None:
+                         sent: _Sent, fut: asyncio.Future[Any]) -> None:
         """A batch's delivery future resolved: acknowledge (or fail) each of its events."""
-        exc: BaseException | None = (asyncio.CancelledError() if fut.cancelled()
-                                     else fut.exception())
+        if fut.cancelled():
+            self._settle(sent, producer, topic, partition, asyncio.CancelledError())
+        else:
+            self._settle(sent, producer, topic, partition, fut.exception())
+
+    def _settle(self, sent: _Sent, producer: AIOKafkaProducer, topic: str, partition: int,
+                exc: BaseException | None) -> None:
+        if sent.settled:
+            return  # given back when its producer was replaced: the late outcome is moot
+        sent.settled = True
+        unsettled = self._unsettled.get(producer)
+        if unsettled is not None:
+            unsettled.discard(sent)
+            if not unsettled:
+                del self._unsettled[producer]
         if exc is not None:
-            if lasting_delivery_error(exc):
+            if lasting_delivery_error(exc) and not isinstance(exc, asyncio.CancelledError):
                 self.producer_failed(producer, exc)
-            for em, item, _value in chunk:
+            for em, item, _value in sent.chunk:
                 em._sender_failed(item, exc)
             return
-        base = fut.result().offset
-        for i, (em, item, value) in enumerate(chunk):
+        base = sent.fut.result().offset
+        for i, (em, item, value) in enumerate(sent.chunk):
             em._sender_acked(item, topic, partition, base + i,
                              value if em._on_ack is not None else None)
+
+    def _settle_replaced(self, producer: AIOKafkaProducer) -> None:
+        """``producer`` was replaced (and stopped): a batch of it whose future is still pending
+        may never resolve (aiokafka appends a batch that waited for its partition's previous
+        one even to a closing accumulator); its events are sent again through the
+        replacement (a duplicate at worst, which the consumers drop by seq)."""
+        for sent in list(self._unsettled.get(producer, ())):
+            if not sent.fut.done():
+                self._settle(sent, producer, "", -1, _REPLACED)
+
+
+class _Sent:
+    """A submitted batch: its events and delivery future, settled once."""
+
+    __slots__ = ("chunk", "fut", "settled")
+
+    def __init__(self, chunk: list[tuple[SandboxEmitter, _Item, bytes]],
+                 fut: asyncio.Future[Any]) -> None:
+        self.chunk = chunk
+        self.fut = fut
+        self.settled = False
+
+
+_REPLACED = RuntimeError("the shared producer was replaced before this batch was acknowledged")
 
 
 class _Lane:

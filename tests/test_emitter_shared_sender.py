@@ -129,15 +129,17 @@ async def test_every_event_is_sent_after_a_sync_of_its_append(kafka_broker, uniq
     def append(self: BatchBuilder, *, timestamp, key, value, headers=()):
         # an event goes into a batch only once its journal write is on disk
         i = sends[key]
-        sends[key] += 1
         if i < len(appended[key]):
             ino, size = appended[key][i]
             if synced[ino] < size:
                 late.append(f"{key!r} #{i}: synced {synced[ino]} < appended {size}")
         else:
             late.append(f"{key!r} #{i}: sent before its emit returned")
-        return real_append(self, timestamp=timestamp, key=key, value=value,
-                           headers=list(headers))
+        added = real_append(self, timestamp=timestamp, key=key, value=value,
+                            headers=list(headers))
+        if added is not None:  # not refused as full (then it goes into the next batch)
+            sends[key] += 1
+        return added
 
     monkeypatch.setattr(BatchBuilder, "append", append)
     ems = [await SandboxEmitter(f"sb-{i}", "task-a", settings=s).start() for i in range(10)]
@@ -529,5 +531,140 @@ async def test_a_batch_the_producer_refuses_goes_back_and_is_sent_once_in_order(
     assert len(seen) == total and check_streams(seen).problems() == []
     for sandbox, seqs in _by_sandbox_in_offset_order(seen).items():
         assert seqs == list(range(per + 2)), sandbox
+    for em in ems:
+        assert await em.close(10)
+
+
+async def test_events_taken_before_a_refusal_do_not_overtake_the_refused_ones(
+        kafka_broker, unique_name, tmp_path, monkeypatch):
+    """A round takes an emitter's next events, then awaits its journal sync; meanwhile the
+    lane holding the emitter's earlier events is refused (review of 8f43962: the later events
+    went out first, seqs [1, 2, 3, 0]). They wait for the refused ones: seq order holds."""
+    import time
+
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.errors import KafkaTimeoutError
+
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, partitions=1)
+    await create_topics(s)
+    sender = shared_sender()
+    refused = asyncio.Event()
+    real_send_batch = AIOKafkaProducer.send_batch
+    calls = [0]
+
+    async def send_batch(self, builder, topic, *, partition):
+        calls[0] += 1
+        if calls[0] == 1:  # the first batch waits (its leader away), then is refused
+            await asyncio.sleep(0.1)
+            refused.set()
+            raise KafkaTimeoutError()
+        return await real_send_batch(self, builder, topic, partition=partition)
+
+    def slow_sync(fd: int) -> None:  # a journal sync that outlasts the refusal
+        time.sleep(0.3)
+        os.fdatasync(fd)
+
+    monkeypatch.setattr(AIOKafkaProducer, "send_batch", send_batch)
+    monkeypatch.setattr(sender, "_sync_fn", slow_sync)
+    monkeypatch.setattr(sender, "_syncfs_fn", None)
+    em = await SandboxEmitter("sb-a", "task-a", settings=s).start()
+    await em.start_episode("e")  # seq 0: its batch is refused after 0.1 s
+    await asyncio.sleep(0.05)
+    for i in range(3):  # seqs 1-3: taken by the next round before the refusal
+        await em.tool_call("e", "t", {"i": i})
+    await em.end_episode("e")
+    assert await em.flush(30)
+    assert refused.is_set()
+    seen = await read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= 5)
+    assert _by_sandbox_in_offset_order(seen)["sb-a"] == [0, 1, 2, 3, 4]
+    assert await em.close(10)
+
+
+async def test_a_paused_emitters_events_waiting_in_a_lane_are_not_sent(
+        kafka_broker, unique_name, tmp_path, monkeypatch):
+    """Events handed to a lane whose partition is busy are checked again when their batch is
+    built: an emitter paused meanwhile gets them back, unsent (review of 8f43962)."""
+    from aiokafka import AIOKafkaProducer
+
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, partitions=1)
+    await create_topics(s)
+    gate = asyncio.Event()
+    waiting = asyncio.Event()
+    real_send_batch = AIOKafkaProducer.send_batch
+    calls = [0]
+
+    async def send_batch(self, builder, topic, *, partition):
+        calls[0] += 1
+        if calls[0] == 1:  # the first batch is held: the lane's next events queue behind it
+            waiting.set()
+            await gate.wait()
+        return await real_send_batch(self, builder, topic, partition=partition)
+
+    monkeypatch.setattr(AIOKafkaProducer, "send_batch", send_batch)
+    em = await SandboxEmitter("sb-a", "task-a", settings=s).start()
+    await em.start_episode("e")
+    await asyncio.wait_for(waiting.wait(), 10)
+    for i in range(3):
+        await em.tool_call("e", "t", {"i": i})
+    sender = shared_sender()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while not any(lane.entries for lane in sender._lanes.values()):  # handed to the lane
+        assert loop.time() < deadline, "the events never reached the lane"
+        await asyncio.sleep(0.01)
+    em._sender.cancel()  # paused while its events wait in the lane
+    gate.set()
+    deadline = loop.time() + 10
+    while sender._lanes:
+        assert loop.time() < deadline, "the lane never finished"
+        await asyncio.sleep(0.01)
+    assert not await em.flush(0.5)  # seq 0 acked; seqs 1-3 back in the queue, unsent
+    pending = sorted(item.seq for _, item in em._pending)
+    assert pending == [1, 2, 3]
+    assert all(not item.in_flight for _, item in em._pending)
+    seen = await read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= 1)
+    assert [x.header["seq"] for x in seen] == [0]
+    await em.abort()
+
+
+async def test_a_batch_left_pending_on_a_replaced_producer_is_sent_again(
+        kafka_broker, unique_name, tmp_path, monkeypatch):
+    """A producer replaced after a lasting error may hold a batch whose future never resolves
+    (aiokafka appends a batch that waited for its partition even to a closing accumulator; its
+    sender is then cancelled). Its events are sent again through the replacement instead of
+    staying in flight for ever (review of 8f43962)."""
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.errors import OutOfOrderSequenceNumber
+
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, partitions=2)
+    await create_topics(s)
+    ems = [await SandboxEmitter(f"sb-{i}", "task-a", settings=s).start() for i in range(8)]
+    assert {partition_of(em._key, 2) for em in ems} == {0, 1}
+    broken = await get_producer(s.kafka)
+    real_send_batch = AIOKafkaProducer.send_batch
+    never: list[asyncio.Future[object]] = []
+
+    async def send_batch(self, builder, topic, *, partition):
+        if self is broken:
+            fut = asyncio.get_running_loop().create_future()
+            if partition == 0:
+                fut.set_exception(OutOfOrderSequenceNumber())
+            else:
+                never.append(fut)  # never resolved
+            return fut
+        return await real_send_batch(self, builder, topic, partition=partition)
+
+    monkeypatch.setattr(AIOKafkaProducer, "send_batch", send_batch)
+    for em in ems:
+        await em.start_episode("e")
+        await em.tool_call("e", "t", {"i": 0})
+        await em.end_episode("e")
+    assert all(await asyncio.gather(*(em.flush(30) for em in ems)))  # False before the fix
+    assert never and not any(f.done() for f in never)
+    assert shared_sender().replacements == 1
+    total = len(ems) * 3
+    seen = await read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= total)
+    assert len({x.header["event_id"] for x in seen}) == total
+    assert check_streams(seen).problems() == []
     for em in ems:
         assert await em.close(10)
