@@ -82,7 +82,7 @@ from typing import TYPE_CHECKING, Any
 from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import murmur2
 
-from trajbus.bus.kafka import lasting_delivery_error
+from trajbus.bus.kafka import lasting_delivery_error, sender_crash
 from trajbus.bus.producer import replace_producer
 from trajbus.bus.settings import KafkaSettings
 from trajbus.producers.journal import syncfs
@@ -137,6 +137,9 @@ class SharedSender:
         # replacement: emitters still holding an older one move to it as they send.
         self._broken: AIOKafkaProducer | None = None
         self._replacement: AIOKafkaProducer | None = None
+        # The producer every lane sends through: the newest member's (the process's shared
+        # one when it joined), or the replacement of a broken one. Others are retired.
+        self._current: AIOKafkaProducer | None = None
         self.replacements = 0
         self._lanes: dict[tuple[str, int], _Lane] = {}  # (topic, partition)
         # submitted batches not yet acknowledged or failed, by producer
@@ -145,6 +148,8 @@ class SharedSender:
     # -- membership ---------------------------------------------------------------------------
     def join(self, em: SandboxEmitter) -> None:
         self._members += 1
+        if em._producer is not None:
+            self._current = em._producer
         r = max(0.0, em.settings.producer.send_round_ms / 1000)
         r_max = max(r, em.settings.producer.send_round_max_ms / 1000)
         slack = max(0.0, em.settings.producer.timer_slack_max_ms / 1000)
@@ -258,7 +263,7 @@ class SharedSender:
     def producer_failed(self, producer: AIOKafkaProducer, exc: BaseException) -> None:
         """A delivery through ``producer`` failed for good (:func:`lasting_delivery_error`):
         the next round replaces it before sending."""
-        if producer is not self._broken:  # not a late failure of the one being replaced
+        if producer is self._current and producer is not self._broken:  # not a retired one
             log.warning("the shared Kafka producer can no longer deliver (%s: %s); replacing "
                         "it (its undelivered events are sent again)", type(exc).__name__, exc)
             self._broken, self._replacement = producer, None
@@ -273,14 +278,18 @@ class SharedSender:
                         type(exc).__name__, exc)
             return False
         self.replacements += 1
+        self._current = self._replacement
         self._settle_replaced(self._broken)
         return True
 
     def _producer_of(self, em: SandboxEmitter) -> AIOKafkaProducer | None:
         # the emitters of a process share one producer: any other they hold was replaced
-        if self._replacement is not None and em._producer is not self._replacement:
-            em._producer = self._replacement
-        return em._producer
+        current = self._current
+        if current is None:
+            current = self._current = em._producer
+        elif em._producer is not current:
+            em._producer = current
+        return current
 
     async def _round(self, ready: dict[SandboxEmitter, None]) -> None:
         if self._broken is not None and self._replacement is None and ready:
@@ -409,7 +418,7 @@ class SharedSender:
             except Exception as exc:  # a broken emitter must not stop the others
                 em._sender_stop(f"sender: {type(exc).__name__}: {exc}")
         for key, lane in busy.items():
-            if lane.task is None and lane.entries:
+            if (lane.task is None or lane.task.done()) and lane.entries:
                 lane.task = asyncio.get_running_loop().create_task(
                     self._run_lane(key, lane), name="trajbus-emitter-lane")
 
@@ -466,42 +475,30 @@ class SharedSender:
                     producer = self._producer_of(entries[start][0])
                     assert producer is not None
                     builder = producer.create_batch()
-                    chunk: list[tuple[SandboxEmitter, _Item, bytes]] = []
                     end = start
-                    now = asyncio.get_running_loop().time()
-                    for entry in itertools.islice(entries, start, None):
-                        em, item, value = entry
-                        # paused or closed since its round, or an earlier event of its
-                        # emitter failed and went back meanwhile: back to its queue
-                        if not em._sender_may_send(item.rid, now):
-                            item.in_flight = False
-                            em._sender_put_back([item])
-                        elif builder.append(timestamp=None, key=em._key, value=value) is None:
+                    for em, _item, value in itertools.islice(entries, start, None):
+                        if builder.append(timestamp=None, key=em._key, value=value) is None:
                             break  # full (a batch's first record always fits)
-                        else:
-                            chunk.append(entry)
                         end += 1
-                    if chunk:
-                        try:
-                            fut = await producer.send_batch(builder, topic,
-                                                            partition=partition)
-                        except Exception as exc:  # KafkaTimeoutError, a closed producer...
-                            # everything this lane holds goes back, so each emitter's events
-                            # stay in seq order within the partition
-                            if lasting_delivery_error(exc):
-                                self.producer_failed(producer, exc)
-                            ended = f"{type(exc).__name__}: {exc}"
-                            return
-                        self._submitted(producer, topic, partition, chunk, fut)
-                        for em, _item, _value in chunk:
-                            em._sender_sent_ok()
+                    try:
+                        fut = await producer.send_batch(builder, topic, partition=partition)
+                    except Exception as exc:  # KafkaTimeoutError, a closed producer...
+                        # everything this lane holds goes back (the finally below), so each
+                        # emitter's events stay in seq order within the partition
+                        if sender_crash(producer) is not None:  # it can send nothing more
+                            self.producer_failed(producer, exc)
+                        ended = f"{type(exc).__name__}: {exc}"
+                        return
+                    chunk = entries[start:end]
                     start = end
+                    self._submitted(producer, topic, partition, chunk, fut)
+                    for em, _item, _value in chunk:
+                        em._sender_sent_ok()
         except asyncio.CancelledError:
             ended = "sender cancelled"
             raise
         finally:
-            rest = [e for e in itertools.chain(itertools.islice(entries, start, None),
-                                               lane.entries) if e[1].in_flight]
+            rest = entries[start:] + lane.entries
             lane.entries = []
             if rest:
                 _refused(rest, ended)
@@ -515,9 +512,10 @@ class SharedSender:
         """A batch is in ``producer``'s accumulator: its future settles its events -- unless
         the producer is replaced first (see :meth:`_settle_replaced`)."""
         sent = _Sent(chunk, fut)
-        if producer is self._broken and self._replacement is not None:
-            # appended while the broken producer was being stopped: its flush may not cover
-            # it, so it may never resolve -- sent again through the replacement
+        if producer is not self._current:
+            # replaced (or dropped) while this batch waited for its partition: aiokafka may
+            # have appended it to the closing accumulator after the flush, where it would
+            # never resolve -- sent again through the current producer
             self._settle(sent, producer, topic, partition, _REPLACED)
             return
         self._unsettled.setdefault(producer, set()).add(sent)
@@ -579,8 +577,11 @@ _REPLACED = RuntimeError("the shared producer was replaced before this batch was
 
 
 class _Lane:
-    """The events handed to one (producer, topic, partition), in the order rounds queued
-    them, and the one task sending them (None while idle)."""
+    """The events handed to one (topic, partition), in the order rounds queued them, and the
+    one task sending them (None, or done, while idle). Handed to a lane is handed to the
+    producer: like a record in aiokafka's accumulator, it is sent even if its emitter pauses
+    or closes meanwhile (at worst a duplicate of what the emitter's successor re-sends, which
+    the consumers drop by seq)."""
 
     __slots__ = ("entries", "task")
 
