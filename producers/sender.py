@@ -29,8 +29,8 @@ a second (issue 18, item 4). Here the emitters of one loop hand their ready queu
    (bench/ANALYSIS.md "Group commit"), so there is no automatic switch between them. A round
    whose sync took over ``SLOW_SYNC_WARN_S`` holds up every emitter's sends (not its emits)
    and is logged, at most every ``SLOW_SYNC_WARN_EVERY_S``;
-3. hand them to the process's shared producer by partition: each (producer, topic,
-   partition) has a *lane*, the events the rounds gave it, in their order; one task per busy
+3. hand them to the process's shared producer by partition: each (topic, partition) has a
+   *lane*, the events the rounds gave it, in their order; one task per busy
    lane builds a batch of everything queued (``create_batch``) and submits it
    (``send_batch``), which waits only until *that* partition's previous batch is drained --
    a slow partition holds up its own lane, no other. One delivery future per batch
@@ -53,15 +53,19 @@ directory) and is reported in its ``last_error`` (a failed ``syncfs`` cannot say
 were lost, so it counts as failed for every journal it covered); a batch the producer
 refuses (``send_batch`` raised) gives every event its lane held back to its emitter's queue,
 each emitter retrying after its backoff, while the other lanes go on; the events of a batch
-whose delivery failed are re-queued at once. An event is handed to a lane, and put into a
-batch, only while its emitter is active and holds no earlier event back in its queue, so a
-refusal never lets an emitter's later events overtake its earlier ones in the partition, and
-a paused or closed emitter's events waiting in a lane go back unsent. A
+whose delivery failed are re-queued at once. An event is handed to a lane only while its
+emitter is active, not backing off, and holds no earlier event back in its queue, so a
+refusal never lets an emitter's later events overtake its earlier ones in the partition.
+Handed to a lane is handed to the producer: like a record in aiokafka's accumulator, it is
+sent even if its emitter pauses or closes meanwhile. A
 delivery that failed for good (an idempotent producer that lost a sequence after a long broker
 outage has every later batch of that partition refused: RELIABILITY finding Y) makes the next
-round replace the process's shared producer first; the events it failed are sent again
-through the new one, and so are those of its batches still unresolved once it is stopped
-(aiokafka may have appended one to its closing accumulator, where it would never resolve).
+round replace the process's shared producer first (so does a ``send_batch`` that raised
+because the producer's own sender task crashed); the events it failed are sent again through
+the new one, and so are those of its batches still unresolved once it is stopped, or
+submitted to it after (aiokafka may append a batch that waited for its partition to a
+closing accumulator, where it would never resolve). Every lane sends through the one
+current producer, so a retired one is never used again.
 
 The sender talks to its emitters through a small protocol (the ``_sender_*`` methods of
 :class:`~trajbus.producers.emitter.SandboxEmitter`): take a batch, the journal fd to sync, put
@@ -430,15 +434,6 @@ class SharedSender:
         key = em._key
         loop = asyncio.get_running_loop()
         for i, item in enumerate(batch):
-            # Paused or closed while this round awaited, or earlier events of this emitter
-            # were refused meanwhile (these must not overtake them): back to its queue.
-            if not em._sender_may_send(item.rid, loop.time()):
-                em._sender_put_back(batch[i:])
-                return
-            value = em._sender_value(item)
-            if value is None:  # pragma: no cover - journal vanished under us
-                em._sender_put_back(batch[i:])
-                raise RuntimeError(f"journal read: {em.last_error}")
             count = counts.get((producer, item.topic))
             if count is None:
                 try:  # known metadata: no wait; unknown: once per topic and round
@@ -446,9 +441,19 @@ class SharedSender:
                 except Exception as exc:  # KafkaTimeoutError, connection errors...
                     count = f"{type(exc).__name__}: {exc}"
                 counts[(producer, item.topic)] = count
+            # -- no await from here to the append: the check holds when the event goes --
+            # Paused or closed while this round awaited, or earlier events of this emitter
+            # were refused meanwhile (these must not overtake them): back to its queue.
+            if not em._sender_may_send(item.rid, loop.time()):
+                em._sender_put_back(batch[i:])
+                return
             if isinstance(count, str):
                 em._sender_retry(batch[i:], count)
                 return
+            value = em._sender_value(item)
+            if value is None:  # pragma: no cover - journal vanished under us
+                em._sender_put_back(batch[i:])
+                raise RuntimeError(f"journal read: {em.last_error}")
             lane_key = (item.topic, partition_of(key, count))
             lane = self._lanes.get(lane_key)
             if lane is None:
@@ -491,7 +496,11 @@ class SharedSender:
                         return
                     chunk = entries[start:end]
                     start = end
-                    self._submitted(producer, topic, partition, chunk, fut)
+                    if not self._submitted(producer, topic, partition, chunk, fut):
+                        # its producer was replaced meanwhile: the chunk goes again, and what
+                        # the lane holds behind it goes back too, not to overtake it
+                        ended = "the shared producer was replaced"
+                        return
                     for em, _item, _value in chunk:
                         em._sender_sent_ok()
         except asyncio.CancelledError:
@@ -508,19 +517,21 @@ class SharedSender:
 
     def _submitted(self, producer: AIOKafkaProducer, topic: str, partition: int,
                    chunk: list[tuple[SandboxEmitter, _Item, bytes]],
-                   fut: asyncio.Future[Any]) -> None:
+                   fut: asyncio.Future[Any]) -> bool:
         """A batch is in ``producer``'s accumulator: its future settles its events -- unless
-        the producer is replaced first (see :meth:`_settle_replaced`)."""
+        the producer is replaced first (see :meth:`_settle_replaced`). False: it was already
+        (the batch's events are sent again)."""
         sent = _Sent(chunk, fut)
         if producer is not self._current:
             # replaced (or dropped) while this batch waited for its partition: aiokafka may
             # have appended it to the closing accumulator after the flush, where it would
             # never resolve -- sent again through the current producer
             self._settle(sent, producer, topic, partition, _REPLACED)
-            return
+            return False
         self._unsettled.setdefault(producer, set()).add(sent)
         fut.add_done_callback(functools.partial(self._batch_delivered, producer, topic,
                                                 partition, sent))
+        return True
 
     def _batch_delivered(self, producer: AIOKafkaProducer, topic: str, partition: int,
                          sent: _Sent, fut: asyncio.Future[Any]) -> None:
@@ -548,8 +559,12 @@ class SharedSender:
             return
         base = sent.fut.result().offset
         for i, (em, item, value) in enumerate(sent.chunk):
-            em._sender_acked(item, topic, partition, base + i,
-                             value if em._on_ack is not None else None)
+            try:
+                em._sender_acked(item, topic, partition, base + i,
+                                 value if em._on_ack is not None else None)
+            except Exception:  # an on_ack that raised: the batch's other events are acked
+                log.exception("acknowledging event %s of %s failed", item.event_id,
+                              em.sandbox)
 
     def _settle_replaced(self, producer: AIOKafkaProducer) -> None:
         """``producer`` was replaced (and stopped): a batch of it whose future is still pending

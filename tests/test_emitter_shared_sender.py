@@ -621,3 +621,66 @@ async def test_a_batch_left_pending_on_a_replaced_producer_is_sent_again(
     assert check_streams(seen).problems() == []
     for em in ems:
         assert await em.close(10)
+
+
+async def test_an_on_ack_that_raises_does_not_hold_up_the_rest_of_its_batch(
+        kafka_broker, unique_name, tmp_path, caplog):
+    """One batch carries several emitters' events: an ``on_ack`` callback of one that raises
+    is logged, and every other event of the batch is still acknowledged (review of 19b3376:
+    they stayed in flight for ever)."""
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, partitions=1)
+    await create_topics(s)
+
+    def bad(_ack: AckInfo) -> None:
+        raise RuntimeError("a caller's bug")
+
+    ems = [await SandboxEmitter(f"sb-{i}", "task-a", settings=s,
+                                on_ack=bad if i == 0 else None).start() for i in range(4)]
+    for em in ems:  # one round: one batch for the one partition, sb-0's events first
+        await em.start_episode("e")
+    assert all(await asyncio.gather(*(em.flush(30) for em in ems)))
+    assert "acknowledging event" in caplog.text
+    for em in ems:
+        assert await em.close(10)
+
+
+async def test_events_waiting_for_topic_metadata_do_not_overtake_events_refused_meanwhile(
+        kafka_broker, unique_name, tmp_path, monkeypatch):
+    """The hand-over checks an event after the round's metadata look-up, which may wait: the
+    lane of the emitter's earlier events refused meanwhile, the later ones wait for them
+    (review of 19b3376: offsets held seq 1 before seq 0)."""
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.errors import KafkaTimeoutError
+
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, partitions=1)
+    await create_topics(s)
+    real_send_batch = AIOKafkaProducer.send_batch
+    real_partitions_for = AIOKafkaProducer.partitions_for
+    batches, lookups = [0], [0]
+
+    async def send_batch(self, builder, topic, *, partition):
+        batches[0] += 1
+        if batches[0] == 1:  # seq 0's batch waits, then is refused
+            await asyncio.sleep(0.1)
+            raise KafkaTimeoutError()
+        return await real_send_batch(self, builder, topic, partition=partition)
+
+    async def partitions_for(self, topic):
+        lookups[0] += 1
+        if lookups[0] == 2:  # the next round's look-up outlasts the refusal
+            await asyncio.sleep(0.3)
+        return await real_partitions_for(self, topic)
+
+    monkeypatch.setattr(AIOKafkaProducer, "send_batch", send_batch)
+    monkeypatch.setattr(AIOKafkaProducer, "partitions_for", partitions_for)
+    em = await SandboxEmitter("sb-a", "task-a", settings=s).start()
+    await em.start_episode("e")
+    await asyncio.sleep(0.03)
+    for i in range(3):
+        await em.tool_call("e", "t", {"i": i})
+    await em.end_episode("e")
+    assert await em.flush(30)
+    assert lookups[0] >= 2
+    seen = await read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= 5)
+    assert _by_sandbox_in_offset_order(seen)["sb-a"] == [0, 1, 2, 3, 4]
+    assert await em.close(10)
