@@ -48,6 +48,15 @@ def _by_sandbox_in_offset_order(seen):
     return out
 
 
+async def _each_event_arrived_once_then_close(s, ems: list[SandboxEmitter], *,
+                                             total: int) -> None:
+    seen = await read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= total)
+    assert len({x.header["event_id"] for x in seen}) == total
+    assert check_streams(seen).problems() == []
+    for em in ems:
+        assert await em.close(10)
+
+
 async def test_many_emitters_share_one_sender_exactly_once_in_seq_order(
         kafka_broker, unique_name, tmp_path):
     s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, partitions=3)
@@ -441,12 +450,7 @@ async def test_a_shared_producer_that_can_no_longer_deliver_is_replaced_and_noth
     assert shared_sender().replacements == 1
     assert producer_mod.builds == builds + 1
     assert all(em._producer is not broken for em in ems)
-    total = 4 * 7
-    seen = await read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= total)
-    assert len({x.header["event_id"] for x in seen}) == total
-    assert check_streams(seen).problems() == []
-    for em in ems:
-        assert await em.close(10)
+    await _each_event_arrived_once_then_close(s, ems, total=4 * 7)
 
 
 async def test_a_partition_whose_batches_wait_holds_up_only_its_own_lane(
@@ -615,12 +619,7 @@ async def test_a_batch_left_pending_on_a_replaced_producer_is_sent_again(
     assert all(await asyncio.gather(*(em.flush(30) for em in ems)))  # False before the fix
     assert never and not any(f.done() for f in never)
     assert shared_sender().replacements == 1
-    total = len(ems) * 3
-    seen = await read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= total)
-    assert len({x.header["event_id"] for x in seen}) == total
-    assert check_streams(seen).problems() == []
-    for em in ems:
-        assert await em.close(10)
+    await _each_event_arrived_once_then_close(s, ems, total=len(ems) * 3)
 
 
 async def test_an_on_ack_that_raises_does_not_hold_up_the_rest_of_its_batch(
