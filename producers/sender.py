@@ -450,16 +450,14 @@ class SharedSender:
             if isinstance(count, str):
                 em._sender_retry(batch[i:], count)
                 return
-            value = em._sender_value(item)
-            if value is None:  # pragma: no cover - journal vanished under us
-                em._sender_put_back(batch[i:])
-                raise RuntimeError(f"journal read: {em.last_error}")
             lane_key = (item.topic, partition_of(key, count))
             lane = self._lanes.get(lane_key)
             if lane is None:
                 lane = self._lanes[lane_key] = _Lane()
             busy[lane_key] = lane
-            lane.entries.append((em, item, value))
+            # a spilled event's bytes are read from the journal only when its batch is built:
+            # a lane holds at most about two batches' worth of bytes, however long it is
+            lane.entries.append((em, item))
             item.in_flight = True
 
     async def _run_lane(self, key: tuple[str, int], lane: _Lane) -> None:
@@ -469,7 +467,7 @@ class SharedSender:
         events. Whatever it took and did not submit goes back to its emitters, however the task
         ends (an event is in flight from its hand-over until submitted, acked or given back)."""
         topic, partition = key
-        entries: list[tuple[SandboxEmitter, _Item, bytes]] = []
+        entries: list[tuple[SandboxEmitter, _Item]] = []
         start = 0
         ended = "sender stopped"
         try:
@@ -480,11 +478,24 @@ class SharedSender:
                     producer = self._producer_of(entries[start][0])
                     assert producer is not None
                     builder = producer.create_batch()
+                    chunk: list[tuple[SandboxEmitter, _Item, bytes]] = []
                     end = start
-                    for em, _item, value in itertools.islice(entries, start, None):
+                    for em, item in itertools.islice(entries, start, None):
+                        value = item.value
+                        if value is None:
+                            value = em._sender_value(item)  # spilled: from the journal
+                            if value is None:  # pragma: no cover - journal vanished under us
+                                item.in_flight = False
+                                em._sender_stop(f"journal read: {em.last_error}")
+                                end += 1
+                                continue
                         if builder.append(timestamp=None, key=em._key, value=value) is None:
                             break  # full (a batch's first record always fits)
+                        chunk.append((em, item, value))
                         end += 1
+                    if not chunk:  # pragma: no cover - every one's journal vanished
+                        start = end
+                        continue
                     try:
                         fut = await producer.send_batch(builder, topic, partition=partition)
                     except Exception as exc:  # KafkaTimeoutError, a closed producer...
@@ -494,7 +505,6 @@ class SharedSender:
                             self.producer_failed(producer, exc)
                         ended = f"{type(exc).__name__}: {exc}"
                         return
-                    chunk = entries[start:end]
                     start = end
                     if not self._submitted(producer, topic, partition, chunk, fut):
                         # its producer was replaced meanwhile: the chunk goes again, and what
@@ -507,7 +517,8 @@ class SharedSender:
             ended = "sender cancelled"
             raise
         finally:
-            rest = entries[start:] + lane.entries
+            rest = [(em, item) for em, item in itertools.chain(
+                itertools.islice(entries, start, None), lane.entries) if item.in_flight]
             lane.entries = []
             if rest:
                 _refused(rest, ended)
@@ -601,14 +612,14 @@ class _Lane:
     __slots__ = ("entries", "task")
 
     def __init__(self) -> None:
-        self.entries: list[tuple[SandboxEmitter, _Item, bytes]] = []
+        self.entries: list[tuple[SandboxEmitter, _Item]] = []
         self.task: asyncio.Task[None] | None = None
 
 
-def _refused(entries: list[tuple[SandboxEmitter, _Item, bytes]], error: str) -> None:
+def _refused(entries: list[tuple[SandboxEmitter, _Item]], error: str) -> None:
     """The producer would not take these: back to their emitters, retried after a backoff."""
     by_emitter: dict[SandboxEmitter, list[_Item]] = {}
-    for em, item, _value in entries:
+    for em, item in entries:
         item.in_flight = False
         by_emitter.setdefault(em, []).append(item)
     for em, items in by_emitter.items():
