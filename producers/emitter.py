@@ -666,15 +666,22 @@ class SandboxEmitter:
         self.last_error = f"journal sync failed, sending stopped: {exc}"
 
     def _sender_value(self, item: _Item) -> bytes | None:
-        """The bytes to send: in memory, or read back from the journal (spilled)."""
+        """The bytes to send: in memory, or read back from the journal (spilled). None once
+        closed (the directory may belong to a successor now, which re-sends what is unacked),
+        or when the read fails or comes back short."""
         if item.value is not None:
             return item.value
-        assert self._journal is not None
+        if self._send_state == "closed" or self._journal is None:
+            return None
         try:
-            return self._journal.read(item.seg, item.offset, item.length)
+            data = self._journal.read(item.seg, item.offset, item.length)
         except OSError as exc:  # pragma: no cover - journal vanished under us
             self.last_error = f"journal read: {exc}"
             return None
+        if len(data) != item.length:  # pragma: no cover - journal cut under us
+            self.last_error = f"journal read: {len(data)} of {item.length} bytes"
+            return None
+        return data
 
     def _sender_put_back(self, items: list[_Item]) -> None:
         """Taken events that were not sent (paused or closed meanwhile)."""
@@ -697,6 +704,8 @@ class SandboxEmitter:
 
     def _sender_stop(self, error: str) -> None:
         """A bug or a vanished journal: send nothing more (the events stay journaled)."""
+        if self._send_state == "closed":
+            return  # nothing more is sent anyway
         self._send_state = "failed"
         self.last_error = error
 

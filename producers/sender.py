@@ -468,6 +468,7 @@ class SharedSender:
         ends (an event is in flight from its hand-over until submitted, acked or given back)."""
         topic, partition = key
         entries: list[tuple[SandboxEmitter, _Item]] = []
+        unreadable: set[SandboxEmitter] = set()  # a journal read failed: it sends no more
         start = 0
         ended = "sender stopped"
         try:
@@ -481,14 +482,16 @@ class SharedSender:
                     chunk: list[tuple[SandboxEmitter, _Item, bytes]] = []
                     end = start
                     for em, item in itertools.islice(entries, start, None):
-                        value = item.value
-                        if value is None:
+                        value = None if em in unreadable else item.value
+                        if value is None and em not in unreadable:
                             value = em._sender_value(item)  # spilled: from the journal
-                            if value is None:  # pragma: no cover - journal vanished under us
-                                item.in_flight = False
+                            if value is None:  # closed (its successor re-sends), or unreadable
+                                unreadable.add(em)
                                 em._sender_stop(f"journal read: {em.last_error}")
-                                end += 1
-                                continue
+                        if value is None:  # none of its later events goes either: no holes
+                            item.in_flight = False
+                            end += 1
+                            continue
                         if builder.append(timestamp=None, key=em._key, value=value) is None:
                             break  # full (a batch's first record always fits)
                         chunk.append((em, item, value))
