@@ -619,13 +619,6 @@ class SandboxEmitter:
     def _sender_active(self) -> bool:
         return self._send_state == "active"
 
-    def _sender_may_send(self, rid: int, now: float) -> bool:
-        """May the taken event ``rid`` go to the producer now: active, not backing off, and no
-        earlier event of this emitter back in its queue (refused or failed while ``rid``
-        waited: it must not overtake them)."""
-        return (self._send_state == "active" and self._retry_at <= now
-                and not (self._pending and self._pending[0][0] < rid))
-
     def _sender_take(self, limit: int, now: float) -> list[_Item]:
         """Up to ``limit`` pending events in record-id (seq) order for this round; none while
         not active or backing off. With nothing pending this is an ack turn: the collected
@@ -666,22 +659,15 @@ class SandboxEmitter:
         self.last_error = f"journal sync failed, sending stopped: {exc}"
 
     def _sender_value(self, item: _Item) -> bytes | None:
-        """The bytes to send: in memory, or read back from the journal (spilled). None once
-        closed (the directory may belong to a successor now, which re-sends what is unacked),
-        or when the read fails or comes back short."""
+        """The bytes to send: in memory, or read back from the journal (spilled)."""
         if item.value is not None:
             return item.value
-        if self._send_state == "closed" or self._journal is None:
-            return None
+        assert self._journal is not None
         try:
-            data = self._journal.read(item.seg, item.offset, item.length)
+            return self._journal.read(item.seg, item.offset, item.length)
         except OSError as exc:  # pragma: no cover - journal vanished under us
             self.last_error = f"journal read: {exc}"
             return None
-        if len(data) != item.length:  # pragma: no cover - journal cut under us
-            self.last_error = f"journal read: {len(data)} of {item.length} bytes"
-            return None
-        return data
 
     def _sender_put_back(self, items: list[_Item]) -> None:
         """Taken events that were not sent (paused or closed meanwhile)."""
@@ -704,8 +690,6 @@ class SandboxEmitter:
 
     def _sender_stop(self, error: str) -> None:
         """A bug or a vanished journal: send nothing more (the events stay journaled)."""
-        if self._send_state == "closed":
-            return  # nothing more is sent anyway
         self._send_state = "failed"
         self.last_error = error
 

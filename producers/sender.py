@@ -29,14 +29,15 @@ a second (issue 18, item 4). Here the emitters of one loop hand their ready queu
    (bench/ANALYSIS.md "Group commit"), so there is no automatic switch between them. A round
    whose sync took over ``SLOW_SYNC_WARN_S`` holds up every emitter's sends (not its emits)
    and is logged, at most every ``SLOW_SYNC_WARN_EVERY_S``;
-3. hand them to the process's shared producer by partition: each (topic, partition) has a
-   *lane*, the events the rounds gave it, in their order; one task per busy
-   lane builds a batch of everything queued (``create_batch``) and submits it
-   (``send_batch``), which waits only until *that* partition's previous batch is drained --
-   a slow partition holds up its own lane, no other. One delivery future per batch
-   acknowledges its events (offset = the batch's base offset + the event's place in it),
-   instead of a ``send()`` coroutine, a partition look-up and a future per event
-   (bench/ANALYSIS.md "Batches by partition").
+3. send them through the process's shared producer, emitter by emitter, each emitter's events
+   in seq order (one ``send()`` each: the producer batches them per partition, over rounds,
+   for ``linger_ms``); acks come back through each record's future.
+
+Not done: one ``send_batch`` per partition per round. Tried (issue 18): at 1,000 emitters x 1
+event/s a round holds ~2 events per partition, fewer than the producer's own batches gather
+over ``linger_ms``, and the process used the same CPU within the noise (8 alternating pairs);
+and ``send_batch`` waits until the partition's previous batch is drained, so one slow
+partition would hold up every other partition's sends in that round.
 
 What is durable when (``durability="fsync"``): an event is in the journal (``write(2)``, so it
 survives SIGKILL of the process) when its ``emit`` returns; it is on disk (``fdatasync``) before
@@ -50,22 +51,13 @@ segment is due to roll: the emitter asks the sender for that turn).
 Failures stay per emitter: a failed journal sync stops sending *that* emitter's events (its
 journal may have lost pages; they stay journaled and are re-sent by the next emitter on the
 directory) and is reported in its ``last_error`` (a failed ``syncfs`` cannot say whose pages
-were lost, so it counts as failed for every journal it covered); a batch the producer
-refuses (``send_batch`` raised) gives every event its lane held back to its emitter's queue,
-each emitter retrying after its backoff, while the other lanes go on; the events of a batch
-whose delivery failed are re-queued at once. An event is handed to a lane only while its
-emitter is active, not backing off, and holds no earlier event back in its queue, so a
-refusal never lets an emitter's later events overtake its earlier ones in the partition.
-Handed to a lane is handed to the producer: like a record in aiokafka's accumulator, it is
-sent even if its emitter pauses or closes meanwhile. A
+were lost, so it counts as failed for every journal it covered); an event the producer
+refuses goes back to its emitter's queue with the rest of that emitter's batch and is retried
+after a backoff without holding up the others; a failed delivery is re-queued at once. A
 delivery that failed for good (an idempotent producer that lost a sequence after a long broker
 outage has every later batch of that partition refused: RELIABILITY finding Y) makes the next
-round replace the process's shared producer first (so does a ``send_batch`` that raised
-because the producer's own sender task crashed); the events it failed are sent again through
-the new one, and so are those of its batches still unresolved once it is stopped, or
-submitted to it after (aiokafka may append a batch that waited for its partition to a
-closing accumulator, where it would never resolve). Every lane sends through the one
-current producer, so a retired one is never used again.
+round replace the process's shared producer first; the events it failed are sent again
+through the new one.
 
 The sender talks to its emitters through a small protocol (the ``_sender_*`` methods of
 :class:`~trajbus.producers.emitter.SandboxEmitter`): take a batch, the journal fd to sync, put
@@ -76,7 +68,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
 import os
 import weakref
@@ -84,9 +75,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.partitioner import murmur2
 
-from trajbus.bus.kafka import lasting_delivery_error, sender_crash
+from trajbus.bus.kafka import lasting_delivery_error
 from trajbus.bus.producer import replace_producer
 from trajbus.bus.settings import KafkaSettings
 from trajbus.producers.journal import syncfs
@@ -141,19 +131,11 @@ class SharedSender:
         # replacement: emitters still holding an older one move to it as they send.
         self._broken: AIOKafkaProducer | None = None
         self._replacement: AIOKafkaProducer | None = None
-        # The producer every lane sends through: the newest member's (the process's shared
-        # one when it joined), or the replacement of a broken one. Others are retired.
-        self._current: AIOKafkaProducer | None = None
         self.replacements = 0
-        self._lanes: dict[tuple[str, int], _Lane] = {}  # (topic, partition)
-        # submitted batches not yet acknowledged or failed, by producer
-        self._unsettled: dict[AIOKafkaProducer, set[_Sent]] = {}
 
     # -- membership ---------------------------------------------------------------------------
     def join(self, em: SandboxEmitter) -> None:
         self._members += 1
-        if em._producer is not None:
-            self._current = em._producer
         r = max(0.0, em.settings.producer.send_round_ms / 1000)
         r_max = max(r, em.settings.producer.send_round_max_ms / 1000)
         slack = max(0.0, em.settings.producer.timer_slack_max_ms / 1000)
@@ -267,7 +249,7 @@ class SharedSender:
     def producer_failed(self, producer: AIOKafkaProducer, exc: BaseException) -> None:
         """A delivery through ``producer`` failed for good (:func:`lasting_delivery_error`):
         the next round replaces it before sending."""
-        if producer is self._current and producer is not self._broken:  # not a retired one
+        if producer is not self._broken:  # not a late failure of the one being replaced
             log.warning("the shared Kafka producer can no longer deliver (%s: %s); replacing "
                         "it (its undelivered events are sent again)", type(exc).__name__, exc)
             self._broken, self._replacement = producer, None
@@ -282,18 +264,13 @@ class SharedSender:
                         type(exc).__name__, exc)
             return False
         self.replacements += 1
-        self._current = self._replacement
-        self._settle_replaced(self._broken)
         return True
 
     def _producer_of(self, em: SandboxEmitter) -> AIOKafkaProducer | None:
         # the emitters of a process share one producer: any other they hold was replaced
-        current = self._current
-        if current is None:
-            current = self._current = em._producer
-        elif em._producer is not current:
-            em._producer = current
-        return current
+        if self._replacement is not None and em._producer is not self._replacement:
+            em._producer = self._replacement
+        return em._producer
 
     async def _round(self, ready: dict[SandboxEmitter, None]) -> None:
         if self._broken is not None and self._replacement is None and ready:
@@ -413,227 +390,53 @@ class SharedSender:
         self._slow_longest = 0.0
 
     async def _send(self, batches: list[tuple[SandboxEmitter, list[_Item]]]) -> None:
-        """Hand each emitter's events, in seq order, to the lanes of their partitions."""
-        counts: dict[tuple[AIOKafkaProducer, str], int | str] = {}  # per round: or the error
-        busy: dict[tuple[str, int], _Lane] = {}
         for em, batch in batches:
             try:
-                await self._hand_over(em, batch, counts, busy)
+                await self._send_one(em, batch)
             except Exception as exc:  # a broken emitter must not stop the others
                 em._sender_stop(f"sender: {type(exc).__name__}: {exc}")
-        for key, lane in busy.items():
-            if (lane.task is None or lane.task.done()) and lane.entries:
-                lane.task = asyncio.get_running_loop().create_task(
-                    self._run_lane(key, lane), name="trajbus-emitter-lane")
 
-    async def _hand_over(self, em: SandboxEmitter, batch: list[_Item],
-                         counts: dict[tuple[AIOKafkaProducer, str], int | str],
-                         busy: dict[tuple[str, int], _Lane]) -> None:
+    async def _send_one(self, em: SandboxEmitter, batch: list[_Item]) -> None:
+        """``em``'s events in seq order, one ``send()`` each: the producer appends them to its
+        batch of their partition (which it sends after ``linger_ms``, so a batch gathers the
+        events of several rounds); each record's future acknowledges its event."""
         producer = self._producer_of(em)
         assert producer is not None
         key = em._key
-        loop = asyncio.get_running_loop()
+        keep_value = em._on_ack is not None
         for i, item in enumerate(batch):
-            count = counts.get((producer, item.topic))
-            if count is None:
-                try:  # known metadata: no wait; unknown: once per topic and round
-                    count = len(await producer.partitions_for(item.topic))
-                except Exception as exc:  # KafkaTimeoutError, connection errors...
-                    count = f"{type(exc).__name__}: {exc}"
-                counts[(producer, item.topic)] = count
-            # -- no await from here to the append: the check holds when the event goes --
-            # Paused or closed while this round awaited, or earlier events of this emitter
-            # were refused meanwhile (these must not overtake them): back to its queue.
-            if not em._sender_may_send(item.rid, loop.time()):
+            if not em._sender_active():  # paused or closed while this round awaited
                 em._sender_put_back(batch[i:])
                 return
-            if isinstance(count, str):
-                em._sender_retry(batch[i:], count)
-                return
-            lane_key = (item.topic, partition_of(key, count))
-            lane = self._lanes.get(lane_key)
-            if lane is None:
-                lane = self._lanes[lane_key] = _Lane()
-            busy[lane_key] = lane
-            # a spilled event's bytes are read from the journal only when its batch is built:
-            # a lane holds at most about two batches' worth of bytes, however long it is
-            lane.entries.append((em, item))
-            item.in_flight = True
-
-    async def _run_lane(self, key: tuple[str, int], lane: _Lane) -> None:
-        """Send what ``lane`` holds, a batch at a time, through the process's current producer,
-        until it is empty; then the lane is dropped (the next round makes a new one). The only
-        task of its lane: the partition's batches go in the order the rounds queued their
-        events. Whatever it took and did not submit goes back to its emitters, however the task
-        ends (an event is in flight from its hand-over until submitted, acked or given back)."""
-        topic, partition = key
-        entries: list[tuple[SandboxEmitter, _Item]] = []
-        unreadable: set[SandboxEmitter] = set()  # a journal read failed: it sends no more
-        start = 0
-        ended = "sender stopped"
-        try:
-            while lane.entries:
-                entries, lane.entries = lane.entries, []
-                start = 0
-                while start < len(entries):
-                    producer = self._producer_of(entries[start][0])
-                    assert producer is not None
-                    builder = producer.create_batch()
-                    chunk: list[tuple[SandboxEmitter, _Item, bytes]] = []
-                    end = start
-                    for em, item in itertools.islice(entries, start, None):
-                        value = None if em in unreadable else item.value
-                        if value is None and em not in unreadable:
-                            value = em._sender_value(item)  # spilled: from the journal
-                            if value is None:  # closed (its successor re-sends), or unreadable
-                                unreadable.add(em)
-                                em._sender_stop(f"journal read: {em.last_error}")
-                        if value is None:  # none of its later events goes either: no holes
-                            item.in_flight = False
-                            end += 1
-                            continue
-                        if builder.append(timestamp=None, key=em._key, value=value) is None:
-                            break  # full (a batch's first record always fits)
-                        chunk.append((em, item, value))
-                        end += 1
-                    if not chunk:  # pragma: no cover - every one's journal vanished
-                        start = end
-                        continue
-                    try:
-                        fut = await producer.send_batch(builder, topic, partition=partition)
-                    except Exception as exc:  # KafkaTimeoutError, a closed producer...
-                        # everything this lane holds goes back (the finally below), so each
-                        # emitter's events stay in seq order within the partition
-                        if sender_crash(producer) is not None:  # it can send nothing more
-                            self.producer_failed(producer, exc)
-                        ended = f"{type(exc).__name__}: {exc}"
-                        return
-                    start = end
-                    if not self._submitted(producer, topic, partition, chunk, fut):
-                        # its producer was replaced meanwhile: the chunk goes again, and what
-                        # the lane holds behind it goes back too, not to overtake it
-                        ended = "the shared producer was replaced"
-                        return
-                    for em, _item, _value in chunk:
-                        em._sender_sent_ok()
-        except asyncio.CancelledError:
-            ended = "sender cancelled"
-            raise
-        finally:
-            rest = [(em, item) for em, item in itertools.chain(
-                itertools.islice(entries, start, None), lane.entries) if item.in_flight]
-            lane.entries = []
-            if rest:
-                _refused(rest, ended)
-            lane.task = None
-            if self._lanes.get(key) is lane:
-                del self._lanes[key]
-
-    def _submitted(self, producer: AIOKafkaProducer, topic: str, partition: int,
-                   chunk: list[tuple[SandboxEmitter, _Item, bytes]],
-                   fut: asyncio.Future[Any]) -> bool:
-        """A batch is in ``producer``'s accumulator: its future settles its events -- unless
-        the producer is replaced first (see :meth:`_settle_replaced`). False: it was already
-        (the batch's events are sent again)."""
-        sent = _Sent(chunk, fut)
-        if producer is not self._current:
-            # replaced (or dropped) while this batch waited for its partition: aiokafka may
-            # have appended it to the closing accumulator after the flush, where it would
-            # never resolve -- sent again through the current producer
-            self._settle(sent, producer, topic, partition, _REPLACED)
-            return False
-        self._unsettled.setdefault(producer, set()).add(sent)
-        fut.add_done_callback(functools.partial(self._batch_delivered, producer, topic,
-                                                partition, sent))
-        return True
-
-    def _batch_delivered(self, producer: AIOKafkaProducer, topic: str, partition: int,
-                         sent: _Sent, fut: asyncio.Future[Any]) -> None:
-        """A batch's delivery future resolved: acknowledge (or fail) each of its events."""
-        if fut.cancelled():
-            self._settle(sent, producer, topic, partition, asyncio.CancelledError())
-        else:
-            self._settle(sent, producer, topic, partition, fut.exception())
-
-    def _settle(self, sent: _Sent, producer: AIOKafkaProducer, topic: str, partition: int,
-                exc: BaseException | None) -> None:
-        if sent.settled:
-            return  # given back when its producer was replaced: the late outcome is moot
-        sent.settled = True
-        unsettled = self._unsettled.get(producer)
-        if unsettled is not None:
-            unsettled.discard(sent)
-            if not unsettled:
-                del self._unsettled[producer]
-        if exc is not None:
-            if lasting_delivery_error(exc) and not isinstance(exc, asyncio.CancelledError):
-                self.producer_failed(producer, exc)
-            for em, item, _value in sent.chunk:
-                em._sender_failed(item, exc)
-            return
-        base = sent.fut.result().offset
-        for i, (em, item, value) in enumerate(sent.chunk):
+            value = em._sender_value(item)
+            if value is None:  # pragma: no cover - journal vanished under us
+                em._sender_put_back(batch[i:])
+                raise RuntimeError(f"journal read: {em.last_error}")
             try:
-                em._sender_acked(item, topic, partition, base + i,
-                                 value if em._on_ack is not None else None)
-            except Exception:  # an on_ack that raised: the batch's other events are acked
-                log.exception("acknowledging event %s of %s failed", item.event_id,
-                              em.sandbox)
-
-    def _settle_replaced(self, producer: AIOKafkaProducer) -> None:
-        """``producer`` was replaced (and stopped): a batch of it whose future is still pending
-        may never resolve (aiokafka appends a batch that waited for its partition's previous
-        one even to a closing accumulator); its events are sent again through the
-        replacement (a duplicate at worst, which the consumers drop by seq)."""
-        for sent in list(self._unsettled.get(producer, ())):
-            if not sent.fut.done():
-                self._settle(sent, producer, "", -1, _REPLACED)
+                fut = await producer.send(item.topic, value, key=key)
+            except Exception as exc:  # KafkaTimeoutError, connection errors...
+                em._sender_retry(batch[i:], f"{type(exc).__name__}: {exc}")
+                return
+            item.in_flight = True
+            fut.add_done_callback(functools.partial(_delivered, em, item,
+                                                    value if keep_value else None, producer))
+        em._sender_sent_ok()
 
 
-class _Sent:
-    """A submitted batch: its events and delivery future, settled once."""
-
-    __slots__ = ("chunk", "fut", "settled")
-
-    def __init__(self, chunk: list[tuple[SandboxEmitter, _Item, bytes]],
-                 fut: asyncio.Future[Any]) -> None:
-        self.chunk = chunk
-        self.fut = fut
-        self.settled = False
-
-
-_REPLACED = RuntimeError("the shared producer was replaced before this batch was acknowledged")
-
-
-class _Lane:
-    """The events handed to one (topic, partition), in the order rounds queued them, and the
-    one task sending them (None, or done, while idle). Handed to a lane is handed to the
-    producer: like a record in aiokafka's accumulator, it is sent even if its emitter pauses
-    or closes meanwhile (at worst a duplicate of what the emitter's successor re-sends, which
-    the consumers drop by seq)."""
-
-    __slots__ = ("entries", "task")
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[SandboxEmitter, _Item]] = []
-        self.task: asyncio.Task[None] | None = None
-
-
-def _refused(entries: list[tuple[SandboxEmitter, _Item]], error: str) -> None:
-    """The producer would not take these: back to their emitters, retried after a backoff."""
-    by_emitter: dict[SandboxEmitter, list[_Item]] = {}
-    for em, item in entries:
-        item.in_flight = False
-        by_emitter.setdefault(em, []).append(item)
-    for em, items in by_emitter.items():
-        em._sender_retry(items, error)
-
-
-@functools.lru_cache(maxsize=65536)
-def partition_of(key: bytes, count: int) -> int:
-    """The partition of ``key`` among ``count``: murmur2, as aiokafka's and Kafka's default
-    partitioners pick it, so every producer of a sandbox's key writes to one partition."""
-    return (murmur2(key) & 0x7FFFFFFF) % count
+def _delivered(em: SandboxEmitter, item: _Item, value: bytes | None,
+               producer: AIOKafkaProducer, fut: asyncio.Future[Any]) -> None:
+    """A record's delivery future resolved: acknowledge (or fail) its event."""
+    if fut.cancelled():
+        em._sender_failed(item, asyncio.CancelledError())
+        return
+    exc = fut.exception()
+    if exc is not None:
+        if lasting_delivery_error(exc) and em._shared is not None:
+            em._shared.producer_failed(producer, exc)
+        em._sender_failed(item, exc)
+        return
+    md = fut.result()
+    em._sender_acked(item, md.topic, md.partition, md.offset, value)
 
 
 _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SharedSender] = (

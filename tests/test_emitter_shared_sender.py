@@ -16,7 +16,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from aiokafka.producer.message_accumulator import BatchBuilder
 
 from trajbus.bus import producer as producer_mod
 from trajbus.bus.producer import close_producer, get_producer
@@ -24,7 +23,7 @@ from trajbus.bus.topics import Topics
 from trajbus.producers.emitter import AckInfo, SandboxEmitter
 from trajbus.producers.journal import Journal
 from trajbus.producers.journal import syncfs as journal_syncfs
-from trajbus.producers.sender import partition_of, shared_sender
+from trajbus.producers.sender import shared_sender
 from trajbus.producers.testing import check_streams, create_topics, make_settings, read_topics
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]
@@ -46,15 +45,6 @@ def _by_sandbox_in_offset_order(seen):
     for x in sorted(seen, key=lambda x: (x.topic, x.partition, x.offset)):
         out[x.header["sandbox"]].append(x.header["seq"])
     return out
-
-
-async def _each_event_arrived_once_then_close(s, ems: list[SandboxEmitter], *,
-                                             total: int) -> None:
-    seen = await read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= total)
-    assert len({x.header["event_id"] for x in seen}) == total
-    assert check_streams(seen).problems() == []
-    for em in ems:
-        assert await em.close(10)
 
 
 async def test_many_emitters_share_one_sender_exactly_once_in_seq_order(
@@ -129,28 +119,24 @@ async def test_every_event_is_sent_after_a_sync_of_its_append(kafka_broker, uniq
     monkeypatch.setattr(sender, "_sync_fn", sync)
     monkeypatch.setattr(sender, "_syncfs_fn", sync_filesystem)
     syncfs_before = sender.syncfs_calls
-    await get_producer(s.kafka)
+    producer = await get_producer(s.kafka)
     appended: dict[bytes, list[tuple[int, int]]] = defaultdict(list)  # key -> (inode, size)
     sends: dict[bytes, int] = defaultdict(int)
     late: list[str] = []
-    real_append = BatchBuilder.append
+    real_send = producer.send
 
-    def append(self: BatchBuilder, *, timestamp, key, value, headers=()):
-        # an event goes into a batch only once its journal write is on disk
+    async def send(topic, value, key=None, **kw):
         i = sends[key]
+        sends[key] += 1
         if i < len(appended[key]):
             ino, size = appended[key][i]
             if synced[ino] < size:
                 late.append(f"{key!r} #{i}: synced {synced[ino]} < appended {size}")
         else:
             late.append(f"{key!r} #{i}: sent before its emit returned")
-        added = real_append(self, timestamp=timestamp, key=key, value=value,
-                            headers=list(headers))
-        if added is not None:  # not refused as full (then it goes into the next batch)
-            sends[key] += 1
-        return added
+        return await real_send(topic, value, key=key, **kw)
 
-    monkeypatch.setattr(BatchBuilder, "append", append)
+    monkeypatch.setattr(producer, "send", send)
     ems = [await SandboxEmitter(f"sb-{i}", "task-a", settings=s).start() for i in range(10)]
 
     async def drive(em: SandboxEmitter) -> None:
@@ -328,7 +314,7 @@ async def test_the_round_interval_grows_with_the_emitters_open_up_to_its_cap() -
     from trajbus.producers.sender import SharedSender
 
     def member(round_ms: float, max_ms: float) -> object:
-        return SimpleNamespace(_producer=None, settings=SimpleNamespace(producer=SimpleNamespace(
+        return SimpleNamespace(settings=SimpleNamespace(producer=SimpleNamespace(
             send_round_ms=round_ms, send_round_max_ms=max_ms, timer_slack_max_ms=0)))
 
     sender = SharedSender()
@@ -361,7 +347,7 @@ async def test_beyond_100_emitters_the_loop_thread_gets_a_timer_slack_and_gets_i
     from trajbus.producers.timerslack import get_timer_slack_ns, set_timer_slack_ns
 
     def member(slack_max_ms: float) -> object:
-        return SimpleNamespace(_producer=None, settings=SimpleNamespace(producer=SimpleNamespace(
+        return SimpleNamespace(settings=SimpleNamespace(producer=SimpleNamespace(
             send_round_ms=10, send_round_max_ms=50, timer_slack_max_ms=slack_max_ms)))
 
     own = get_timer_slack_ns()
@@ -431,16 +417,16 @@ async def test_a_shared_producer_that_can_no_longer_deliver_is_replaced_and_noth
     ems = [await SandboxEmitter(f"sb-{i}", "task-a", settings=s).start() for i in range(4)]
     broken = await get_producer(s.kafka)
     builds = producer_mod.builds
-    real_send_batch = AIOKafkaProducer.send_batch
+    real_send = AIOKafkaProducer.send
 
-    async def send_batch(self: AIOKafkaProducer, *args, **kwargs):
+    async def send(self: AIOKafkaProducer, *args, **kwargs):
         if self is broken:
             failed = asyncio.get_running_loop().create_future()
             failed.set_exception(OutOfOrderSequenceNumber())
             return failed
-        return await real_send_batch(self, *args, **kwargs)
+        return await real_send(self, *args, **kwargs)
 
-    monkeypatch.setattr(AIOKafkaProducer, "send_batch", send_batch)
+    monkeypatch.setattr(AIOKafkaProducer, "send", send)
     for em in ems:
         await em.start_episode("e")
         for i in range(5):
@@ -450,236 +436,9 @@ async def test_a_shared_producer_that_can_no_longer_deliver_is_replaced_and_noth
     assert shared_sender().replacements == 1
     assert producer_mod.builds == builds + 1
     assert all(em._producer is not broken for em in ems)
-    await _each_event_arrived_once_then_close(s, ems, total=4 * 7)
-
-
-async def test_a_partition_whose_batches_wait_holds_up_only_its_own_lane(
-        kafka_broker, unique_name, tmp_path, monkeypatch):
-    """Events are handed to one lane per partition: a partition whose next batch must wait
-    (its leader away, its previous batch not drained) delays only the events keyed to it."""
-    from aiokafka import AIOKafkaProducer
-
-    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, partitions=3)
-    await create_topics(s)
-    ems = [await SandboxEmitter(f"sb-{i}", "task-a", settings=s).start() for i in range(12)]
-    slow = [em for em in ems if partition_of(em._key, 3) == 0]
-    fast = [em for em in ems if partition_of(em._key, 3) != 0]
-    assert slow and fast
-    gate = asyncio.Event()
-    held: list[int] = []  # records in each batch that waited
-    real_send_batch = AIOKafkaProducer.send_batch
-    events = Topics(s).sandbox_events
-
-    async def send_batch(self, builder, topic, *, partition):
-        if topic == events and partition == 0 and not gate.is_set():
-            held.append(builder.record_count())
-            await gate.wait()
-        return await real_send_batch(self, builder, topic, partition=partition)
-
-    monkeypatch.setattr(AIOKafkaProducer, "send_batch", send_batch)
-    for em in ems:
-        await em.start_episode("e")
-        await em.tool_call("e", "t", {"i": 0})
-    assert all(await asyncio.gather(*(em.flush(30) for em in fast)))
-    assert held and all(em._unacked for em in slow)
-    for em in ems:  # more events queue behind the waiting batch, in order
-        await em.tool_call("e", "t", {"i": 1})
-        await em.end_episode("e")
-    assert all(await asyncio.gather(*(em.flush(30) for em in fast)))
-    assert all(em._unacked for em in slow)
-    gate.set()
-    assert all(await asyncio.gather(*(em.flush(30) for em in slow)))
-    total = len(ems) * 4
-    seen = await read_topics(s, [events], lambda xs: len(xs) >= total)
-    assert len(seen) == total and check_streams(seen).problems() == []
-    for sandbox, seqs in _by_sandbox_in_offset_order(seen).items():
-        assert seqs == [0, 1, 2, 3], sandbox
-    for em in ems:
-        assert await em.close(10)
-
-
-async def test_a_batch_the_producer_refuses_goes_back_and_is_sent_once_in_order(
-        kafka_broker, unique_name, tmp_path, monkeypatch):
-    """send_batch refusing (a full or timed-out accumulator, a closed producer) gives every
-    event its lane held back to its emitter, retried after a backoff: none lost, none twice,
-    each sandbox's events in seq order in its partition."""
-    from aiokafka import AIOKafkaProducer
-    from aiokafka.errors import KafkaTimeoutError
-
-    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, partitions=2)
-    await create_topics(s)
-    ems = [await SandboxEmitter(f"sb-{i}", "task-a", settings=s).start() for i in range(6)]
-    refusals = [3]
-    real_send_batch = AIOKafkaProducer.send_batch
-
-    async def send_batch(self, builder, topic, *, partition):
-        if refusals[0] > 0:
-            refusals[0] -= 1
-            raise KafkaTimeoutError()
-        return await real_send_batch(self, builder, topic, partition=partition)
-
-    monkeypatch.setattr(AIOKafkaProducer, "send_batch", send_batch)
-    per = 10
-    for em in ems:
-        await em.start_episode("e")
-    for i in range(per):
-        for em in ems:
-            await em.tool_call("e", "t", {"i": i})
-    for em in ems:
-        await em.end_episode("e")
-    assert all(await asyncio.gather(*(em.flush(30) for em in ems)))
-    assert refusals == [0]
-    assert any("KafkaTimeoutError" in (em.last_error or "") for em in ems)
-    total = len(ems) * (per + 2)
+    total = 4 * 7
     seen = await read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= total)
-    assert len(seen) == total and check_streams(seen).problems() == []
-    for sandbox, seqs in _by_sandbox_in_offset_order(seen).items():
-        assert seqs == list(range(per + 2)), sandbox
+    assert len({x.header["event_id"] for x in seen}) == total
+    assert check_streams(seen).problems() == []
     for em in ems:
         assert await em.close(10)
-
-
-async def test_events_taken_before_a_refusal_do_not_overtake_the_refused_ones(
-        kafka_broker, unique_name, tmp_path, monkeypatch):
-    """A round takes an emitter's next events, then awaits its journal sync; meanwhile the
-    lane holding the emitter's earlier events is refused (review of 8f43962: the later events
-    went out first, seqs [1, 2, 3, 0]). They wait for the refused ones: seq order holds."""
-    import time
-
-    from aiokafka import AIOKafkaProducer
-    from aiokafka.errors import KafkaTimeoutError
-
-    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, partitions=1)
-    await create_topics(s)
-    sender = shared_sender()
-    refused = asyncio.Event()
-    real_send_batch = AIOKafkaProducer.send_batch
-    calls = [0]
-
-    async def send_batch(self, builder, topic, *, partition):
-        calls[0] += 1
-        if calls[0] == 1:  # the first batch waits (its leader away), then is refused
-            await asyncio.sleep(0.1)
-            refused.set()
-            raise KafkaTimeoutError()
-        return await real_send_batch(self, builder, topic, partition=partition)
-
-    def slow_sync(fd: int) -> None:  # a journal sync that outlasts the refusal
-        time.sleep(0.3)
-        os.fdatasync(fd)
-
-    monkeypatch.setattr(AIOKafkaProducer, "send_batch", send_batch)
-    monkeypatch.setattr(sender, "_sync_fn", slow_sync)
-    monkeypatch.setattr(sender, "_syncfs_fn", None)
-    em = await SandboxEmitter("sb-a", "task-a", settings=s).start()
-    await em.start_episode("e")  # seq 0: its batch is refused after 0.1 s
-    await asyncio.sleep(0.05)
-    for i in range(3):  # seqs 1-3: taken by the next round before the refusal
-        await em.tool_call("e", "t", {"i": i})
-    await em.end_episode("e")
-    assert await em.flush(30)
-    assert refused.is_set()
-    seen = await read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= 5)
-    assert _by_sandbox_in_offset_order(seen)["sb-a"] == [0, 1, 2, 3, 4]
-    assert await em.close(10)
-
-
-async def test_a_batch_left_pending_on_a_replaced_producer_is_sent_again(
-        kafka_broker, unique_name, tmp_path, monkeypatch):
-    """A producer replaced after a lasting error may hold a batch whose future never resolves
-    (aiokafka appends a batch that waited for its partition even to a closing accumulator; its
-    sender is then cancelled). Its events are sent again through the replacement instead of
-    staying in flight for ever (review of 8f43962)."""
-    from aiokafka import AIOKafkaProducer
-    from aiokafka.errors import OutOfOrderSequenceNumber
-
-    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, partitions=2)
-    await create_topics(s)
-    ems = [await SandboxEmitter(f"sb-{i}", "task-a", settings=s).start() for i in range(8)]
-    assert {partition_of(em._key, 2) for em in ems} == {0, 1}
-    broken = await get_producer(s.kafka)
-    real_send_batch = AIOKafkaProducer.send_batch
-    never: list[asyncio.Future[object]] = []
-
-    async def send_batch(self, builder, topic, *, partition):
-        if self is broken:
-            fut = asyncio.get_running_loop().create_future()
-            if partition == 0:
-                fut.set_exception(OutOfOrderSequenceNumber())
-            else:
-                never.append(fut)  # never resolved
-            return fut
-        return await real_send_batch(self, builder, topic, partition=partition)
-
-    monkeypatch.setattr(AIOKafkaProducer, "send_batch", send_batch)
-    for em in ems:
-        await em.start_episode("e")
-        await em.tool_call("e", "t", {"i": 0})
-        await em.end_episode("e")
-    assert all(await asyncio.gather(*(em.flush(30) for em in ems)))  # False before the fix
-    assert never and not any(f.done() for f in never)
-    assert shared_sender().replacements == 1
-    await _each_event_arrived_once_then_close(s, ems, total=len(ems) * 3)
-
-
-async def test_an_on_ack_that_raises_does_not_hold_up_the_rest_of_its_batch(
-        kafka_broker, unique_name, tmp_path, caplog):
-    """One batch carries several emitters' events: an ``on_ack`` callback of one that raises
-    is logged, and every other event of the batch is still acknowledged (review of 19b3376:
-    they stayed in flight for ever)."""
-    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, partitions=1)
-    await create_topics(s)
-
-    def bad(_ack: AckInfo) -> None:
-        raise RuntimeError("a caller's bug")
-
-    ems = [await SandboxEmitter(f"sb-{i}", "task-a", settings=s,
-                                on_ack=bad if i == 0 else None).start() for i in range(4)]
-    for em in ems:  # one round: one batch for the one partition, sb-0's events first
-        await em.start_episode("e")
-    assert all(await asyncio.gather(*(em.flush(30) for em in ems)))
-    assert "acknowledging event" in caplog.text
-    for em in ems:
-        assert await em.close(10)
-
-
-async def test_events_waiting_for_topic_metadata_do_not_overtake_events_refused_meanwhile(
-        kafka_broker, unique_name, tmp_path, monkeypatch):
-    """The hand-over checks an event after the round's metadata look-up, which may wait: the
-    lane of the emitter's earlier events refused meanwhile, the later ones wait for them
-    (review of 19b3376: offsets held seq 1 before seq 0)."""
-    from aiokafka import AIOKafkaProducer
-    from aiokafka.errors import KafkaTimeoutError
-
-    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path, partitions=1)
-    await create_topics(s)
-    real_send_batch = AIOKafkaProducer.send_batch
-    real_partitions_for = AIOKafkaProducer.partitions_for
-    batches, lookups = [0], [0]
-
-    async def send_batch(self, builder, topic, *, partition):
-        batches[0] += 1
-        if batches[0] == 1:  # seq 0's batch waits, then is refused
-            await asyncio.sleep(0.1)
-            raise KafkaTimeoutError()
-        return await real_send_batch(self, builder, topic, partition=partition)
-
-    async def partitions_for(self, topic):
-        lookups[0] += 1
-        if lookups[0] == 2:  # the next round's look-up outlasts the refusal
-            await asyncio.sleep(0.3)
-        return await real_partitions_for(self, topic)
-
-    monkeypatch.setattr(AIOKafkaProducer, "send_batch", send_batch)
-    monkeypatch.setattr(AIOKafkaProducer, "partitions_for", partitions_for)
-    em = await SandboxEmitter("sb-a", "task-a", settings=s).start()
-    await em.start_episode("e")
-    await asyncio.sleep(0.03)
-    for i in range(3):
-        await em.tool_call("e", "t", {"i": i})
-    await em.end_episode("e")
-    assert await em.flush(30)
-    assert lookups[0] >= 2
-    seen = await read_topics(s, [Topics(s).sandbox_events], lambda xs: len(xs) >= 5)
-    assert _by_sandbox_in_offset_order(seen)["sb-a"] == [0, 1, 2, 3, 4]
-    assert await em.close(10)

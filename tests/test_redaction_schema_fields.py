@@ -307,35 +307,18 @@ def test_every_redaction_rule_has_a_planted_sample() -> None:
 
 
 # -- the emitter, against everything planted --------------------------------------------------
-class RecordingBatch:
-    def __init__(self) -> None:
-        self.records: list[tuple[bytes | None, bytes]] = []
-
-    def append(self, *, timestamp: int | None, key: bytes | None, value: bytes) -> object:
-        self.records.append((key, value))
-        return self
-
-
 class RecordingProducer:
-    """Stands in for the shared Kafka producer (the batch API the emitters' shared sender
-    uses): keeps every (topic, key, value) the emitter hands to Kafka, and acknowledges each
-    batch at once."""
+    """Stands in for the shared Kafka producer: keeps every (topic, key, value) the emitter
+    hands to Kafka, and acknowledges it at once."""
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, bytes | None, bytes]] = []
 
-    async def partitions_for(self, topic: str) -> set[int]:
-        return {0}
-
-    def create_batch(self) -> RecordingBatch:
-        return RecordingBatch()
-
-    async def send_batch(self, batch: RecordingBatch, topic: str, *, partition: int
-                         ) -> asyncio.Future[Any]:
-        base = len(self.sent)
-        self.sent.extend((topic, key, value) for key, value in batch.records)
+    async def send(self, topic: str, value: bytes, key: bytes | None = None
+                   ) -> asyncio.Future[Any]:
+        self.sent.append((topic, key, value))
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        fut.set_result(SimpleNamespace(topic=topic, partition=partition, offset=base))
+        fut.set_result(SimpleNamespace(topic=topic, partition=0, offset=len(self.sent) - 1))
         return fut
 
 
