@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from trajbus.bus.kafka import connection_options
 from trajbus.bus.settings import Settings
@@ -69,6 +69,8 @@ class View:
     dead_letters: Counter[str] = field(default_factory=Counter)
     dead_letter_examples: list[str] = field(default_factory=list)
     sample: tuple[str, str] | None = None  # one finished episode, for the waterfall
+    # the readers (trainer, watcher) that stopped before the run ended, and why
+    reader_failures: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -142,9 +144,12 @@ async def run_pipeline(settings: Settings, sandboxes: int, episodes: int, seed: 
                     len(view.loop_alerts) >= len(manifest.loops) and \
                     all(_recycled(view.by_sandbox.get(sb, [])) for sb in sandbox_ids):
                 break
+            if any(t.done() for t in watchers):
+                break  # a reader stopped: what it missed is judged (and why, said) below
             await asyncio.sleep(0.5)
     finally:
         stop.set()
+        _note_reader_failures(view, watchers)
         extra = [t for t in (chaos, supervisor) if t is not None]
         for t in [*watchers, live, *extra]:
             t.cancel()
@@ -163,6 +168,29 @@ async def run_pipeline(settings: Settings, sandboxes: int, episodes: int, seed: 
     return _summary(expected, manifest, view, replay, archive_summary, waterfall,
                     time.monotonic() - started, faults,
                     drain_window_s=settings.scheduler.drain_grace_ms / 1000)
+
+
+def _note_reader_failures(view: View, readers: list[asyncio.Task[None]]) -> None:
+    """A reader (the trainer, the watcher) that ended before the run stopped it is a problem
+    of the run, with its error: never a silent reason for "never reached the trainer"."""
+    for name, task in zip(("trainer", "watcher"), readers, strict=True):
+        if not task.done() or task.cancelled():
+            continue
+        exc = task.exception()
+        why = "ended early" if exc is None else f"failed: {type(exc).__name__}: {exc}"
+        view.reader_failures.append(f"the {name}'s consumer {why}")
+
+
+def _never_reached(sandbox: str, episode: str, acked: int, view: View,
+                   replay: ReplayTopics) -> str:
+    """The problem of an episode that never reached the trainer, with where it stopped: on the
+    replay topic itself (the worker did not write it, or an open transaction hides it) or
+    between the topic and the trainer."""
+    key = (sandbox, episode)
+    last = "with" if key in replay.closed else "without"
+    return (f"{sandbox}/{episode}: never reached the trainer (the replay topic holds "
+            f"{len(replay.seqs.get(key, ()))} of its {acked} events, {last} its last segment; "
+            f"the trainer had {len(view.open.get(key, ()))})")
 
 
 def _recycled(decisions: list[str]) -> bool:
@@ -335,6 +363,11 @@ class ReplayTopics:
     confirmations: dict[tuple[str, str], list[tuple[int, int]]] = field(default_factory=dict)
     # sandbox-level stream on the raw input topic: seq -> (kind, earliest record timestamp)
     sandbox_stream: dict[str, dict[int, tuple[str, int]]] = field(default_factory=dict)
+    # episodes whose last segment (is_last) is on the replay topic
+    closed: set[tuple[str, str]] = field(default_factory=set)
+    # replay partitions whose last stable offset is behind their end (an open transaction
+    # hides the records after it from every read_committed reader): tp -> (stable, end)
+    unstable: dict[str, tuple[int, int]] = field(default_factory=dict)
     error: str | None = None
 
     def confirmed_at(self, sandbox: str, episode: str, seq: int) -> int | None:
@@ -385,6 +418,8 @@ async def _replay_topics(settings: Settings) -> ReplayTopics:
                 continue
             seg = d.record
             key = (seg["header"]["sandbox"], seg["header"]["episode"])
+            if seg["is_last"]:
+                out.closed.add(key)
             if seg["gap"] is None and seg["events"]:
                 out.confirmations.setdefault(key, []).append((seg["last_seq"], rec.timestamp_ms))
             seen = out.seqs.setdefault(key, Counter())
@@ -394,7 +429,35 @@ async def _replay_topics(settings: Settings) -> ReplayTopics:
             if seg["gap"] is not None:
                 out.gaps.setdefault(key, []).append((seg["gap"]["from_seq"],
                                                      seg["gap"]["to_seq"]))
+    try:
+        out.unstable = await _unstable_partitions(settings, [topics.replay(t) for t in TASKS])
+    except Exception as exc:  # a diagnosis only: the checks above stand without it
+        out.unstable = {f"(not measured: {type(exc).__name__}: {exc})": (-1, -1)}
     return out
+
+
+async def _unstable_partitions(settings: Settings, topics: list[str]
+                               ) -> dict[str, tuple[int, int]]:
+    """Partitions of ``topics`` whose last stable offset (the end for read_committed) is
+    behind their high watermark (the end for read_uncommitted)."""
+    from trajbus.consumers.operator.tools import topic_partitions
+
+    parts = await topic_partitions(settings, topics)
+    tps = [TopicPartition(t, p) for t in sorted(parts) for p in parts[t]]
+    if not tps:
+        return {}
+    ends: dict[str, dict[Any, int]] = {}
+    for isolation in ("read_committed", "read_uncommitted"):
+        consumer = AIOKafkaConsumer(**connection_options(settings.kafka),
+                                    enable_auto_commit=False, isolation_level=isolation)
+        await consumer.start()
+        try:
+            ends[isolation] = await consumer.end_offsets(tps)
+        finally:
+            await consumer.stop()
+    stable, end = ends["read_committed"], ends["read_uncommitted"]
+    return {f"{tp.topic}[{tp.partition}]": (stable[tp], end[tp])
+            for tp in sorted(end) if stable.get(tp, end[tp]) < end[tp]}
 
 
 async def _archive(settings: Settings) -> dict[str, Any]:
@@ -500,7 +563,7 @@ def _summary(expected: dict[tuple[str, str, str], Any], manifest: Any, view: Vie
         got = view.episodes.get((sandbox, episode))
         want = sorted((seq, eid) for seq, eid in rec.acked)
         if got is None:
-            problems.append(f"{sandbox}/{episode}: never reached the trainer")
+            problems.append(_never_reached(sandbox, episode, len(want), view, replay))
         elif got == want:
             exact += 1
             if (sandbox, episode) in view.truncated:
@@ -511,6 +574,10 @@ def _summary(expected: dict[tuple[str, str, str], Any], manifest: Any, view: Vie
             problems.append(f"{sandbox}/{episode}: {len(got)} events vs {len(want)} "
                             f"acknowledged (missing {missing}, unexpected {extra})")
 
+    problems.extend(view.reader_failures)
+    if replay.unstable and any("never reached the trainer" in p for p in problems):
+        problems.append(f"replay partitions with an open transaction at the end (last stable "
+                        f"offset, end): {replay.unstable}")
     # The replay topics themselves: once each, gaps only where a seq is really missing.
     if replay.error is not None:
         problems.append(f"reading the replay topics failed: {replay.error}")
