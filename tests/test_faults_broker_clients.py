@@ -78,10 +78,15 @@ def _received(view: TrainerView) -> int:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("outage_s", [3.0, 13.0], ids=["short", "beyond-session-timeout"])
 async def test_trainer_consuming_through_broker_sigkill_sees_each_acknowledged_event_once(
-        killable_broker: LocalBroker, tmp_path: Path, unique_name: str) -> None:
+        killable_broker: LocalBroker, tmp_path: Path, unique_name: str,
+        outage_s: float) -> None:
     """Two trainers (own groups) through the same kill: one acknowledges each segment at
-    once, the other holds its last 16 segments unacknowledged (so across the outage)."""
+    once, the other holds its last 16 segments unacknowledged (so across the outage). An
+    outage longer than the group session timeout (10 s) makes each trainer's consumer rejoin
+    its group after the restart: a commit made meanwhile is refused (soak run 14339,
+    2026-12-03: the trainer's ``ack`` raised it and the trainer stopped)."""
     with _running(killable_broker) as broker:
         settings = settings_for(broker.bootstrap, unique_name, partitions=2)
         await ensure_base_topics(settings, ["task-a"])
@@ -96,7 +101,7 @@ async def test_trainer_consuming_through_broker_sigkill_sees_each_acknowledged_e
                 await t.wait_until(lambda v: _received(v) >= 50, 90)
                 assert _received(t.view) >= 50, "a trainer got nothing before the kill"
             before = [_received(t.view) for t in trainers]
-            await _kill_and_restart(broker, fleet)
+            await _kill_and_restart(broker, fleet, outage_s)
             # production continues on the restarted broker and reaches the trainers
             for t, n in zip(trainers, before, strict=True):
                 await t.wait_until(lambda v, n=n: _received(v) > n + 100, 90)

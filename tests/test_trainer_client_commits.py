@@ -123,3 +123,35 @@ async def test_a_failed_background_commit_is_raised_by_the_next_call(
                 await asyncio.sleep(0.05)  # the committer runs meanwhile
     finally:
         await client.stop()  # does not raise again: the trainer has seen the failure
+
+
+@pytest.mark.parametrize("commit_every_ms", [0, 1], ids=["per-ack", "coalesced"])
+async def test_a_commit_refused_because_the_group_rebalanced_is_made_again(
+        kafka_broker: object, unique_name: str, commit_every_ms: int) -> None:
+    """After a broker outage longer than the session timeout the consumer rejoins its group;
+    a commit sent meanwhile carries the old generation and is refused (CommitFailedError).
+    That is no reason to stop the trainer (soak run 14339, 2026-12-03: its ``ack`` raised it
+    and it received nothing more): the client commits again once the group has settled, and
+    every acknowledgement is committed in the end (a fresh member has nothing left)."""
+    from aiokafka.errors import CommitFailedError
+
+    settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
+    await publish_replay(settings, "web-shop", make_episodes(4, seed=4, task="web-shop"))
+
+    class RefusedThrice(ReplayClient):
+        refusals = 0
+
+        async def _commit(self) -> None:
+            if self.refusals < 3:
+                self.refusals += 1
+                raise CommitFailedError("the group has already rebalanced (injected)")
+            await super()._commit()
+
+    group = f"{unique_name}-rebalanced"
+    client = RefusedThrice("web-shop", group, settings, commit_every_ms=commit_every_ms)
+    async with client:
+        assert await _read_all(client, 4) == 4
+        await client.commit()
+    assert client.refusals == 3
+    assert client.stats["commits_retried_after_rebalance"] >= 3
+    assert await _left_over(settings, group) == 0

@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -56,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import CommitFailedError, IllegalStateError
 from aiokafka.structs import OffsetAndMetadata
 
 from trajbus.bus import inventory
@@ -65,7 +67,14 @@ from trajbus.bus.settings import Settings, get_settings
 from trajbus.bus.topics import Topics, validate_name
 from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
 
+log = logging.getLogger(__name__)
+
 _REMEMBERED = 200_000  # episodes whose delivery state the client keeps (bounded memory)
+# How long a commit refused because the group rebalanced under it (after a broker outage
+# longer than the session timeout, or a member joining or leaving) is tried again, once the
+# group has settled, before the trainer's call raises it.
+REBALANCE_COMMIT_TIMEOUT_S = 120.0
+_REBALANCE_RETRY_S = 0.2
 _METADATA_LIMIT = 3500  # below Kafka's default offset.metadata.max.bytes (4096)
 ALL_TASKS = "*"
 """``ReplayClient(ALL_TASKS, ...)``: every task's replay topic, present and future (the
@@ -229,7 +238,8 @@ class ReplayClient:
         self.current_policy_version = current_policy_version
         self.codec = codec or default_codec()
         self.stats = {"segments": 0, "events": 0, "duplicates_dropped": 0, "stale_dropped": 0,
-                      "skipped_already_acked": 0, "undecodable": 0}
+                      "skipped_already_acked": 0, "undecodable": 0,
+                      "commits_retried_after_rebalance": 0}
         self._consumer: AIOKafkaConsumer | None = None
         self._progress: dict[TopicPartition, _PartitionProgress] = {}
         self._delivered_hwm: OrderedDict[tuple[str, str], int] = OrderedDict()
@@ -245,6 +255,7 @@ class ReplayClient:
         self._committer: asyncio.Task[None] | None = None
         self._commit_error: BaseException | None = None
         self._acked_event = asyncio.Event()
+        self._rebalancing = False  # between a revocation and the next assignment
         self._positioned: set[TopicPartition] = set()
         self._latest_at_start: dict[TopicPartition, int] = {}
 
@@ -299,13 +310,49 @@ class ReplayClient:
 
     async def commit(self) -> None:
         """Commit every acknowledgement made so far; returns once the broker has it (a
-        background commit under way is waited for). Raises what a background commit raised."""
+        background commit under way is waited for). Raises what a background commit raised.
+
+        A commit the group refuses because it rebalanced meanwhile (a broker outage longer
+        than the session timeout makes the consumer rejoin; a member joined or left) is made
+        again once this member has its partitions back -- for those it still holds -- for up
+        to :data:`REBALANCE_COMMIT_TIMEOUT_S`. Only then does it raise."""
+        await self._commit_acknowledged(retry_rebalance=True)
+
+    async def _commit_acknowledged(self, retry_rebalance: bool) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REBALANCE_COMMIT_TIMEOUT_S
+        warned = False
+        while True:
+            try:
+                await self._commit_once()
+                return
+            except (CommitFailedError, IllegalStateError, _GroupRebalancing) as exc:
+                if not retry_rebalance:
+                    raise
+                if loop.time() >= deadline:
+                    raise CommitFailedError(
+                        f"group {self.group_id!r} kept rebalancing for "
+                        f"{REBALANCE_COMMIT_TIMEOUT_S:.0f} s: the acknowledgements since the "
+                        f"last commit are not committed ({exc}); a restarted trainer receives "
+                        f"them again") from exc
+                self.stats["commits_retried_after_rebalance"] += 1
+                if not warned:
+                    log.warning("replay client %s: the group rebalanced under a commit (%s); "
+                                "committing again once this member has its partitions back",
+                                self.group_id, type(exc).__name__)
+                    warned = True
+                await asyncio.sleep(_REBALANCE_RETRY_S)  # not holding the commit lock: the
+                # revocation's own commit (coalesced commits) must not wait for this one
+
+    async def _commit_once(self) -> None:
         self._raise_commit_error()
         for p in self._progress.values():
             if p.advance():
                 self._dirty = True
         async with self._commit_lock:
             if self._dirty:
+                if self._rebalancing:  # revoked, not yet assigned: it would be refused
+                    raise _GroupRebalancing("partitions revoked, not yet assigned again")
                 self._dirty = False
                 try:
                     await self._commit()
@@ -546,11 +593,19 @@ class ReplayClient:
             raise self._commit_error
 
     async def _commit(self) -> None:
+        """Commit the progress of the partitions this member holds now (another member
+        commits those it took over; Kafka refuses a commit for a partition not assigned)."""
         if self._consumer is None or not self._progress:
             return
+        assigned = self._consumer.assignment()
         offsets = {tp: OffsetAndMetadata(p.committed, p.metadata())
-                   for tp, p in self._progress.items()}
-        await self._consumer.commit(offsets)
+                   for tp, p in self._progress.items() if tp in assigned}
+        if offsets:
+            await self._consumer.commit(offsets)
+
+
+class _GroupRebalancing(Exception):
+    """Partitions revoked, the new assignment not yet received: commit after it."""
 
 
 class _StartAt(ConsumerRebalanceListener):
@@ -559,12 +614,14 @@ class _StartAt(ConsumerRebalanceListener):
 
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
         # what was acknowledged is committed before another member may take the partitions
-        # (a failure here is left to the committer and the trainer's next call)
+        # (one attempt: the rebalance waits for this; a failure is left to the next commit)
         if self.client._commit_error is None and not self.client.strict_commits:
             with contextlib.suppress(Exception):
-                await self.client.commit()
+                await self.client._commit_acknowledged(retry_rebalance=False)
+        self.client._rebalancing = True
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        self.client._rebalancing = False
         await self.client._apply_start(assigned)
 
 
