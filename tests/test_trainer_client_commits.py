@@ -10,6 +10,8 @@ that fails is raised by the trainer's next call."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from replay_support import publish_replay
@@ -153,5 +155,81 @@ async def test_a_commit_refused_because_the_group_rebalanced_is_made_again(
         assert await _read_all(client, 4) == 4
         await client.commit()
     assert client.refusals == 3
-    assert client.stats["commits_retried_after_rebalance"] >= 3
+    # counted per commit, not per attempt: the per-ack one, or (coalesced) the committer's
+    # and the explicit commit() that ran beside it
+    assert 1 <= client.stats["commits_retried_after_rebalance"] <= 2
     assert await _left_over(settings, group) == 0
+
+
+async def test_a_commit_waits_while_the_partitions_are_revoked_and_not_yet_assigned(
+        kafka_broker: object, unique_name: str) -> None:
+    """Between a revocation and the next assignment a commit would be refused: a per-ack
+    ``ack()`` returns once the partitions are assigned again and the commit is made. The
+    progress of a partition that went to another member is dropped: acknowledging a segment
+    of it afterwards is counted, not an error, and commits go on for the others."""
+    from trajbus.consumers.replay.client import _StartAt
+
+    settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
+    await publish_replay(settings, "web-shop", make_episodes(8, seed=5, task="web-shop"))
+    group = f"{unique_name}-revoked"
+    async with ReplayClient("web-shop", group, settings) as client:
+        got = [seg async for seg in _take(client, 8)]
+        by_partition = {seg.partition for seg in got}
+        assert len(by_partition) == 2, "the test needs segments in both partitions"
+        assert client._consumer is not None
+        assigned = sorted(client._consumer.assignment())
+        listener = _StartAt(client)  # what aiokafka calls around a rejoin
+        await listener.on_partitions_revoked(assigned)
+        ack = asyncio.create_task(client.ack(got[0]))
+        await asyncio.sleep(0.6)
+        assert not ack.done(), "acknowledged as committed while no partition was assigned"
+        await listener.on_partitions_assigned(assigned)
+        await asyncio.wait_for(ack, 10)
+        assert client.stats["commits_retried_after_rebalance"] == 1
+        # one partition moves to another member: its progress goes
+        moved, kept = assigned
+        await listener.on_partitions_revoked(assigned)
+        await listener.on_partitions_assigned([kept])
+        for seg in got[1:]:
+            await client.ack(seg)
+        moved_acks = sum(1 for seg in got[1:] if seg.partition == moved.partition)
+        assert client.stats["acks_after_partition_moved"] == moved_acks > 0
+        assert set(client._progress) == {kept}
+
+
+async def test_segments_read_again_after_a_rejoin_are_not_committed_before_their_ack(
+        kafka_broker: object, unique_name: str) -> None:
+    """After a rejoin the consumer reads again from the group's committed offset. Segments
+    already handed to the trainer but not acknowledged come back as duplicates: they are not
+    delivered twice, and not taken as consumed either -- the commit stays before them until
+    the trainer acknowledges the first delivery (a crash meanwhile re-delivers them)."""
+    settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
+    await publish_replay(settings, "web-shop", make_episodes(8, seed=6, task="web-shop"))
+    group = f"{unique_name}-reread"
+    async with ReplayClient("web-shop", group, settings) as client:
+        got = [seg async for seg in _take(client, 8)]
+        held = [seg for seg in got if seg.partition == got[-1].partition][-2:]
+        for seg in got:
+            if seg not in held:
+                await client.ack(seg)
+        assert client._consumer is not None
+        for tp in client._consumer.assignment():  # what a rejoin does: back to the commit
+            committed = await client._consumer.committed(tp)
+            client._consumer.seek(tp, committed or 0)
+        again = [seg async for seg in client.segments(idle_timeout=2)]
+        assert again == []  # nothing delivered twice
+        tp = next(tp for tp in client._progress if tp.partition == held[0].partition)
+        assert client._progress[tp].committed <= held[0].offset
+        for seg in held:
+            await client.ack(seg)
+        assert client._progress[tp].committed > held[-1].offset
+    assert await _left_over(settings, group) == 0
+
+
+async def _take(client: ReplayClient, n: int) -> AsyncIterator[Any]:
+    got = 0
+    async for seg in client.segments(idle_timeout=5):
+        yield seg
+        got += 1
+        if got >= n:
+            return

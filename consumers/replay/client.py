@@ -163,8 +163,13 @@ class _PartitionProgress:
     def __init__(self, committed: int, acked_beyond: Iterable[int] = ()) -> None:
         self.committed = committed  # next offset to read after a restart
         self.acked: set[int] = set(acked_beyond)
+        # handed to the trainer, not acknowledged yet: read again after a rejoin (the consumer
+        # restarts at the committed offset), such a record is not "consumed" until its first
+        # delivery is acknowledged
+        self.delivered: set[int] = set()
 
     def ack(self, offset: int) -> None:
+        self.delivered.discard(offset)
         if offset >= self.committed:
             self.acked.add(offset)
 
@@ -239,7 +244,7 @@ class ReplayClient:
         self.codec = codec or default_codec()
         self.stats = {"segments": 0, "events": 0, "duplicates_dropped": 0, "stale_dropped": 0,
                       "skipped_already_acked": 0, "undecodable": 0,
-                      "commits_retried_after_rebalance": 0}
+                      "commits_retried_after_rebalance": 0, "acks_after_partition_moved": 0}
         self._consumer: AIOKafkaConsumer | None = None
         self._progress: dict[TopicPartition, _PartitionProgress] = {}
         self._delivered_hwm: OrderedDict[tuple[str, str], int] = OrderedDict()
@@ -319,33 +324,39 @@ class ReplayClient:
         await self._commit_acknowledged(retry_rebalance=True)
 
     async def _commit_acknowledged(self, retry_rebalance: bool) -> None:
+        self._raise_commit_error()  # a background commit's failure is final: not retried
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + REBALANCE_COMMIT_TIMEOUT_S
-        warned = False
+        started = loop.time()
+        retried = False
         while True:
             try:
                 await self._commit_once()
-                return
             except (CommitFailedError, IllegalStateError, _GroupRebalancing) as exc:
                 if not retry_rebalance:
                     raise
-                if loop.time() >= deadline:
+                if loop.time() - started >= REBALANCE_COMMIT_TIMEOUT_S:
+                    log.error("replay client %s: giving up a commit after %.0f s of rebalancing",
+                              self.group_id, REBALANCE_COMMIT_TIMEOUT_S)
                     raise CommitFailedError(
                         f"group {self.group_id!r} kept rebalancing for "
                         f"{REBALANCE_COMMIT_TIMEOUT_S:.0f} s: the acknowledgements since the "
                         f"last commit are not committed ({exc}); a restarted trainer receives "
                         f"them again") from exc
-                self.stats["commits_retried_after_rebalance"] += 1
-                if not warned:
+                if not retried:
+                    self.stats["commits_retried_after_rebalance"] += 1
                     log.warning("replay client %s: the group rebalanced under a commit (%s); "
                                 "committing again once this member has its partitions back",
                                 self.group_id, type(exc).__name__)
-                    warned = True
+                    retried = True
                 await asyncio.sleep(_REBALANCE_RETRY_S)  # not holding the commit lock: the
                 # revocation's own commit (coalesced commits) must not wait for this one
+                continue
+            if retried:
+                log.info("replay client %s: committed after %.1f s of rebalancing",
+                         self.group_id, loop.time() - started)
+            return
 
     async def _commit_once(self) -> None:
-        self._raise_commit_error()
         for p in self._progress.values():
             if p.advance():
                 self._dirty = True
@@ -392,10 +403,13 @@ class ReplayClient:
                     if progress.skip_on_restart(msg.offset):
                         self.stats["skipped_already_acked"] += 1
                         continue
+                    if msg.offset in progress.delivered:
+                        continue  # read again after a rejoin: its first delivery is unacked
                     seg = self._to_segment(tp, msg.offset, msg.value, msg.timestamp)
                     if seg is None:
                         progress.ack(msg.offset)  # nothing new in it: consumed
                         continue
+                    progress.delivered.add(msg.offset)
                     self._in_flight += 1
                     self.stats["segments"] += 1
                     self.stats["events"] += len(seg.events)
@@ -426,7 +440,11 @@ class ReplayClient:
         background)."""
         segs = item.segments if isinstance(item, Episode) else [item]
         for seg in segs:
-            self._progress[TopicPartition(seg.topic, seg.partition)].ack(seg.offset)
+            progress = self._progress.get(TopicPartition(seg.topic, seg.partition))
+            if progress is not None:
+                progress.ack(seg.offset)
+            else:  # its partition went to another member meanwhile, which reads it again
+                self.stats["acks_after_partition_moved"] += 1
             self._in_flight -= 1
         self._acked_event.set()
         await self._maybe_commit()
@@ -593,15 +611,17 @@ class ReplayClient:
             raise self._commit_error
 
     async def _commit(self) -> None:
-        """Commit the progress of the partitions this member holds now (another member
-        commits those it took over; Kafka refuses a commit for a partition not assigned)."""
+        """Commit the progress of every partition read. The progress of partitions another
+        member took over is dropped at the assignment (:class:`_StartAt`), so a partition with
+        progress that is not assigned means a rebalance under way: commit after it."""
         if self._consumer is None or not self._progress:
             return
         assigned = self._consumer.assignment()
+        if any(tp not in assigned for tp in self._progress):
+            raise _GroupRebalancing("a partition read is not assigned now")
         offsets = {tp: OffsetAndMetadata(p.committed, p.metadata())
-                   for tp, p in self._progress.items() if tp in assigned}
-        if offsets:
-            await self._consumer.commit(offsets)
+                   for tp, p in self._progress.items()}
+        await self._consumer.commit(offsets)
 
 
 class _GroupRebalancing(Exception):
@@ -621,6 +641,11 @@ class _StartAt(ConsumerRebalanceListener):
         self.client._rebalancing = True
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        # Partitions another member holds now: their progress goes (it commits them; a
+        # partition that comes back later starts from the group's commit, never from ours).
+        kept = set(assigned)
+        for tp in [tp for tp in self.client._progress if tp not in kept]:
+            del self.client._progress[tp]
         self.client._rebalancing = False
         await self.client._apply_start(assigned)
 
