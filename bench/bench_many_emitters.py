@@ -73,6 +73,8 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
         extra["journal_sync"] = a.journal_sync
     if a.timer_slack_max_ms is not None:
         extra["timer_slack_max_ms"] = a.timer_slack_max_ms
+    if a.send_round_max_ms is not None:
+        extra["send_round_max_ms"] = a.send_round_max_ms
     settings = make_settings(a.bootstrap, a.prefix, partitions=a.partitions, **extra)
     await create_topics(settings, [Topics(settings).sandbox_events])
     state = Path(tempfile.mkdtemp(prefix="bench-many-emitters-"))
@@ -159,6 +161,7 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
         "emitters": a.emitters, "rate_per_emitter": a.rate, "seconds": round(wall, 2),
         "mode": a.mode, "durability": a.durability,
         "send_round_ms": settings.producer.send_round_ms,
+        "send_round_max_ms": getattr(settings.producer, "send_round_max_ms", None),
         "journal_sync": getattr(settings.producer, "journal_sync", "file"),
         "core_share": round(cpu / wall, 4),
         "user_share": round(user / wall, 4),
@@ -190,6 +193,8 @@ def run_child(a: argparse.Namespace, bootstrap: str, tree: Path | None,
         cmd += ["--journal-sync", a.journal_sync]
     if a.timer_slack_max_ms is not None:
         cmd += ["--timer-slack-max-ms", str(a.timer_slack_max_ms)]
+    if a.send_round_max_ms is not None:
+        cmd += ["--send-round-max-ms", str(a.send_round_max_ms)]
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
@@ -229,6 +234,9 @@ def main() -> int:
                          "append)")
     ap.add_argument("--send-round-ms", type=float, default=None,
                     help="settings.producer.send_round_ms (default: the setting's default)")
+    ap.add_argument("--send-round-max-ms", type=float, default=None,
+                    help="settings.producer.send_round_max_ms for every variant (default: the "
+                         "setting's default)")
     ap.add_argument("--journal-sync", choices=["filesystem", "file"], default=None,
                     help="settings.producer.journal_sync (default: the setting's default, "
                          "filesystem): compare the two on the journals' filesystem")
