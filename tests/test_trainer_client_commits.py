@@ -233,3 +233,45 @@ async def _take(client: ReplayClient, n: int) -> AsyncIterator[Any]:
         got += 1
         if got >= n:
             return
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("commit_every_ms", [0, 1], ids=["per-ack", "coalesced"])
+async def test_a_trainer_keeps_running_while_another_member_joins_and_leaves(
+        kafka_broker: object, unique_name: str, commit_every_ms: int) -> None:
+    """A real rebalance each way (a second trainer of the group joins, takes a partition,
+    then leaves): the first one never raises, every episode reaches one of them, and all
+    that was acknowledged is committed (a fresh member has nothing left)."""
+    settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
+    episodes = make_episodes(120, seed=7, task="web-shop")
+    await publish_replay(settings, "web-shop", episodes)
+    group = f"{unique_name}-members"
+    seen: dict[str, set[tuple[str, str]]] = {"a": set(), "b": set()}
+
+    async def trainer(name: str, stop: asyncio.Event, idle_s: float) -> ReplayClient:
+        async with ReplayClient("web-shop", group, settings,
+                                commit_every_ms=commit_every_ms) as client:
+            async for seg in client.segments(idle_timeout=idle_s):
+                seen[name].add((seg.sandbox, seg.episode))
+                await client.ack(seg)
+                await asyncio.sleep(0.05)  # a trainer's work: the rebalances come mid-stream
+                if stop.is_set():
+                    break
+        return client
+
+    never = asyncio.Event()
+    a = asyncio.create_task(trainer("a", never, idle_s=8))
+    deadline = asyncio.get_running_loop().time() + 60
+    while len(seen["a"]) < 10 and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.1)
+    b_stop = asyncio.Event()
+    b = asyncio.create_task(trainer("b", b_stop, idle_s=30))
+    while not seen["b"] and not b.done() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.1)
+    b_stop.set()  # b leaves after its first segment: a takes its partition back
+    client_b = await asyncio.wait_for(b, 60)
+    client_a = await asyncio.wait_for(a, 120)
+    assert seen["b"], "the second trainer got no partition"
+    assert seen["a"] | seen["b"] == {(e.sandbox, e.episode) for e in episodes}
+    assert client_a.stats["segments"] >= 10 and client_b.stats["segments"] >= 1
+    assert await _left_over(settings, group) == 0

@@ -73,7 +73,7 @@ _REMEMBERED = 200_000  # episodes whose delivery state the client keeps (bounded
 # How long a commit refused because the group rebalanced under it (after a broker outage
 # longer than the session timeout, or a member joining or leaving) is tried again, once the
 # group has settled, before the trainer's call raises it.
-REBALANCE_COMMIT_TIMEOUT_S = 120.0
+REBALANCE_COMMIT_TIMEOUT_S = 300.0  # aiokafka's default max_poll_interval: a rebalance's bound
 _REBALANCE_RETRY_S = 0.2
 _METADATA_LIMIT = 3500  # below Kafka's default offset.metadata.max.bytes (4096)
 ALL_TASKS = "*"
@@ -163,13 +163,8 @@ class _PartitionProgress:
     def __init__(self, committed: int, acked_beyond: Iterable[int] = ()) -> None:
         self.committed = committed  # next offset to read after a restart
         self.acked: set[int] = set(acked_beyond)
-        # handed to the trainer, not acknowledged yet: read again after a rejoin (the consumer
-        # restarts at the committed offset), such a record is not "consumed" until its first
-        # delivery is acknowledged
-        self.delivered: set[int] = set()
 
     def ack(self, offset: int) -> None:
-        self.delivered.discard(offset)
         if offset >= self.committed:
             self.acked.add(offset)
 
@@ -261,6 +256,10 @@ class ReplayClient:
         self._commit_error: BaseException | None = None
         self._acked_event = asyncio.Event()
         self._rebalancing = False  # between a revocation and the next assignment
+        # offsets handed to the trainer and not acknowledged yet, per partition: read again
+        # after a rejoin (the consumer restarts at the group's commit), such a record is not
+        # "consumed" -- the commit must not pass it -- until its first delivery is acknowledged
+        self._handed_out: dict[TopicPartition, set[int]] = {}
         self._positioned: set[TopicPartition] = set()
         self._latest_at_start: dict[TopicPartition, int] = {}
 
@@ -308,10 +307,19 @@ class ReplayClient:
                     await committer
             try:
                 if self._commit_error is None:
-                    await self.commit()
+                    await self._final_commit()
             finally:
                 await self._consumer.stop()
                 self._consumer = None
+
+    async def _final_commit(self) -> None:
+        """One commit at stop: a stopping member does not wait for a rebalance to end."""
+        try:
+            await self._commit_acknowledged(retry_rebalance=False)
+        except (CommitFailedError, IllegalStateError, _GroupRebalancing) as exc:
+            log.warning("replay client %s: the last acknowledgements could not be committed "
+                        "at stop (the group is rebalancing: %s); they are delivered again to "
+                        "the partitions' next reader", self.group_id, exc)
 
     async def commit(self) -> None:
         """Commit every acknowledgement made so far; returns once the broker has it (a
@@ -362,8 +370,6 @@ class ReplayClient:
                 self._dirty = True
         async with self._commit_lock:
             if self._dirty:
-                if self._rebalancing:  # revoked, not yet assigned: it would be refused
-                    raise _GroupRebalancing("partitions revoked, not yet assigned again")
                 self._dirty = False
                 try:
                     await self._commit()
@@ -398,18 +404,21 @@ class ReplayClient:
                 continue
             idle_since = loop.time()
             for tp, msgs in batch.items():
+                if tp not in self._consumer.assignment():
+                    continue  # taken by another member since this batch came: it reads them
                 progress = await self._progress_for(tp)
+                handed = self._handed_out.setdefault(tp, set())
                 for msg in msgs:
                     if progress.skip_on_restart(msg.offset):
                         self.stats["skipped_already_acked"] += 1
                         continue
-                    if msg.offset in progress.delivered:
+                    if msg.offset in handed:
                         continue  # read again after a rejoin: its first delivery is unacked
                     seg = self._to_segment(tp, msg.offset, msg.value, msg.timestamp)
                     if seg is None:
                         progress.ack(msg.offset)  # nothing new in it: consumed
                         continue
-                    progress.delivered.add(msg.offset)
+                    handed.add(msg.offset)
                     self._in_flight += 1
                     self.stats["segments"] += 1
                     self.stats["events"] += len(seg.events)
@@ -419,20 +428,29 @@ class ReplayClient:
     async def episodes(self, idle_timeout: float | None = None) -> AsyncIterator[Episode]:
         """Yield whole episodes once their last segment arrived. Acknowledge with :meth:`ack`."""
         open_eps: dict[tuple[str, str], Episode] = {}
-        async for seg in self.segments(idle_timeout):
-            key = (seg.sandbox, seg.episode)
-            ep = open_eps.setdefault(key, Episode(seg.task, seg.sandbox, seg.episode))
-            ep.segments.append(seg)
-            ep.events.extend(seg.events)
-            if seg.gap:
-                ep.gaps.append(seg.gap)
-            if seg.is_last:
-                ep.is_terminal = seg.is_terminal
-                del open_eps[key]
-                if (self.drop_truncated and ep.truncated) or (self.drop_gappy and ep.gaps):
-                    await self.ack(ep)
-                    continue
-                yield ep
+        try:
+            async for seg in self.segments(idle_timeout):
+                key = (seg.sandbox, seg.episode)
+                ep = open_eps.setdefault(key, Episode(seg.task, seg.sandbox, seg.episode))
+                ep.segments.append(seg)
+                ep.events.extend(seg.events)
+                if seg.gap:
+                    ep.gaps.append(seg.gap)
+                if seg.is_last:
+                    ep.is_terminal = seg.is_terminal
+                    del open_eps[key]
+                    if (self.drop_truncated and ep.truncated) or (self.drop_gappy and ep.gaps):
+                        await self.ack(ep)
+                        continue
+                    yield ep
+        finally:
+            # Segments of episodes never yielded are not the trainer's: not in flight, and not
+            # held back from a re-read (after a rejoin) for an acknowledgement that never comes.
+            for ep in open_eps.values():
+                for seg in ep.segments:
+                    self._handed_out.get(TopicPartition(seg.topic, seg.partition),
+                                         set()).discard(seg.offset)
+                    self._in_flight -= 1
 
     async def ack(self, item: Segment | Episode) -> None:
         """The trainer has consumed this segment (or every segment of this episode). Returns
@@ -440,7 +458,9 @@ class ReplayClient:
         background)."""
         segs = item.segments if isinstance(item, Episode) else [item]
         for seg in segs:
-            progress = self._progress.get(TopicPartition(seg.topic, seg.partition))
+            tp = TopicPartition(seg.topic, seg.partition)
+            self._handed_out.get(tp, set()).discard(seg.offset)
+            progress = self._progress.get(tp)
             if progress is not None:
                 progress.ack(seg.offset)
             else:  # its partition went to another member meanwhile, which reads it again
@@ -611,17 +631,25 @@ class ReplayClient:
             raise self._commit_error
 
     async def _commit(self) -> None:
-        """Commit the progress of every partition read. The progress of partitions another
-        member took over is dropped at the assignment (:class:`_StartAt`), so a partition with
-        progress that is not assigned means a rebalance under way: commit after it."""
+        """Commit the progress of the partitions read that this member holds. During a
+        rebalance (revoked, not yet assigned; or no partition assigned while some were read:
+        a subscription change is starting one) nothing can be committed: raises
+        :class:`_GroupRebalancing`. Outside one, a partition read but not assigned went to
+        another member: its progress is dropped (that member reads on from the group's
+        commit)."""
         if self._consumer is None or not self._progress:
             return
+        if self._rebalancing:
+            raise _GroupRebalancing("partitions revoked, not yet assigned again")
         assigned = self._consumer.assignment()
-        if any(tp not in assigned for tp in self._progress):
-            raise _GroupRebalancing("a partition read is not assigned now")
+        if not assigned:
+            raise _GroupRebalancing("no partition assigned now")
+        for tp in [tp for tp in self._progress if tp not in assigned]:
+            del self._progress[tp]
         offsets = {tp: OffsetAndMetadata(p.committed, p.metadata())
                    for tp, p in self._progress.items()}
-        await self._consumer.commit(offsets)
+        if offsets:
+            await self._consumer.commit(offsets)
 
 
 class _GroupRebalancing(Exception):
@@ -634,11 +662,13 @@ class _StartAt(ConsumerRebalanceListener):
 
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
         # what was acknowledged is committed before another member may take the partitions
-        # (one attempt: the rebalance waits for this; a failure is left to the next commit)
-        if self.client._commit_error is None and not self.client.strict_commits:
+        # (one attempt, and none while a commit is under way: the rebalance waits for this; a
+        # failure is left to the next commit)
+        client = self.client
+        if client._commit_error is None and not client._commit_lock.locked():
             with contextlib.suppress(Exception):
-                await self.client._commit_acknowledged(retry_rebalance=False)
-        self.client._rebalancing = True
+                await client._commit_acknowledged(retry_rebalance=False)
+        client._rebalancing = True
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         # Partitions another member holds now: their progress goes (it commits them; a
@@ -646,6 +676,7 @@ class _StartAt(ConsumerRebalanceListener):
         kept = set(assigned)
         for tp in [tp for tp in self.client._progress if tp not in kept]:
             del self.client._progress[tp]
+            self.client._handed_out.pop(tp, None)  # that member delivers them: acks counted
         self.client._rebalancing = False
         await self.client._apply_start(assigned)
 
