@@ -66,3 +66,19 @@ def test_fast_paths_agree_with_the_full_rule_scan() -> None:
         assert r._spans(raw, r._byte_rules) == _full_spans(r, raw), text
         value = {"k": text, "n": [1, 2.5, None, True, {"z": text[::-1]}], text[:5]: "x"}
         assert r.redact_value(value) == r._redact_value(value), text
+
+
+def test_sandboxes_with_the_same_secrets_share_compiled_rules_never_others_secrets():
+    """Compiled rules are shared (1,000 emitters of one node touch one copy), keyed by the
+    secrets themselves: a redactor never searches for -- or knows -- another sandbox's
+    secret, and counts stay per sandbox."""
+    a = Redactor.for_env({"SERVICE_TOKEN": "tok-alpha-000111"})
+    b = Redactor.for_env({"SERVICE_TOKEN": "tok-alpha-000111"})
+    c = Redactor.for_env({"SERVICE_TOKEN": "tok-bravo-222333"})
+    plain1, plain2 = Redactor.for_env(None), Redactor.for_env({"HOME": "/root"})
+    assert a._rules is b._rules and plain1._rules is plain2._rules
+    assert c._rules is not a._rules and plain1._rules is not a._rules
+    assert a.redact_text("use tok-alpha-000111") == "use [REDACTED:env:SERVICE_TOKEN]"
+    assert c.redact_text("use tok-alpha-000111") == "use tok-alpha-000111"
+    assert plain1.redact_text("use tok-alpha-000111") == "use tok-alpha-000111"
+    assert a.counts == {"env:SERVICE_TOKEN": 1} and not b.counts and not c.counts
