@@ -164,12 +164,18 @@ class _PartitionProgress:
         self.committed = committed  # next offset to read after a restart
         self.acked: set[int] = set(acked_beyond)
 
-    def ack(self, offset: int) -> None:
-        if offset >= self.committed:
+    def ack(self, offset: int) -> bool:
+        """Record an acknowledgement; True when it is new (the commit's offset or its
+        metadata changes)."""
+        if offset >= self.committed and offset not in self.acked:
             self.acked.add(offset)
+            return True
+        return False
 
     def skip_on_restart(self, offset: int) -> bool:
-        return offset in self.acked
+        # below the commit point too: acknowledged beyond it at the start, then passed by it
+        # when the segments before it were acknowledged in this run
+        return offset < self.committed or offset in self.acked
 
     def advance(self) -> bool:
         """Move the commit point over contiguous acknowledged offsets. True when it moved."""
@@ -407,6 +413,9 @@ class ReplayClient:
                 if tp not in self._consumer.assignment():
                     continue  # taken by another member since this batch came: it reads them
                 progress = await self._progress_for(tp)
+                if tp not in self._consumer.assignment():  # ... or during that await
+                    self._progress.pop(tp, None)
+                    continue
                 handed = self._handed_out.setdefault(tp, set())
                 for msg in msgs:
                     if progress.skip_on_restart(msg.offset):
@@ -462,7 +471,10 @@ class ReplayClient:
             self._handed_out.get(tp, set()).discard(seg.offset)
             progress = self._progress.get(tp)
             if progress is not None:
-                progress.ack(seg.offset)
+                if progress.ack(seg.offset):
+                    # committed now even when it is beyond the commit point (in the metadata):
+                    # a restart must not deliver it again
+                    self._dirty = True
             else:  # its partition went to another member meanwhile, which reads it again
                 self.stats["acks_after_partition_moved"] += 1
             self._in_flight -= 1
@@ -673,10 +685,22 @@ class _StartAt(ConsumerRebalanceListener):
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         # Partitions another member holds now: their progress goes (it commits them; a
         # partition that comes back later starts from the group's commit, never from ours).
+        client = self.client
         kept = set(assigned)
-        for tp in [tp for tp in self.client._progress if tp not in kept]:
-            del self.client._progress[tp]
-            self.client._handed_out.pop(tp, None)  # that member delivers them: acks counted
+        for tp in [tp for tp in client._progress if tp not in kept]:
+            del client._progress[tp]
+            client._handed_out.pop(tp, None)  # that member delivers them: acks counted
+        # A partition kept may have been another member's meanwhile (this one was evicted,
+        # e.g. its loop blocked beyond the session timeout): if the group's commit moved past
+        # ours, ours is stale -- never commit it (that would move the group back).
+        consumer = client._consumer
+        for tp in [tp for tp in client._progress if tp in kept]:
+            if consumer is None:
+                break
+            with contextlib.suppress(Exception):  # unknown: keep ours (the usual case)
+                committed = await consumer.committed(tp)
+                if committed is not None and committed > client._progress[tp].committed:
+                    del client._progress[tp]
         self.client._rebalancing = False
         await self.client._apply_start(assigned)
 
