@@ -102,7 +102,8 @@ SUMMARY_CHARS = 256
 CANONICAL_MAX_BYTES = 4096
 MESSAGE_OVERHEAD = 16 * 1024  # room for the envelope and Kafka record/batch headers
 CLEAN_TEXT_MAX_CHARS = 128  # free texts up to this long are remembered when clean ...
-CLEAN_TEXT_MAX_ENTRIES = 1024  # ... this many per emitter
+CLEAN_TEXT_MAX_ENTRIES = 4096  # ... this many per set of redaction rules (shared by the
+# emitters whose sandboxes have the same env secrets: on a node, mostly all of them)
 T = TypeVar("T")
 
 #: The string and bytes fields of the events this emitter writes that are NOT free text, with
@@ -295,7 +296,7 @@ class SandboxEmitter:
         self.max_inline = min(self.settings.topics.max_message_bytes,
                               self.settings.kafka.max_request_size) - MESSAGE_OVERHEAD
         self.redactor = Redactor.for_env(env, p.redact_env)
-        self._clean_text: set[str] = set()  # short free texts the redactor left unchanged
+        self._clean_text = self.redactor.clean_texts  # short texts its rules left unchanged
         self._canon = canonicalizer(self.settings.watchdog.ignore_fields)
         self._canon_full = canonicalizer(())
         self._claim = claim_check

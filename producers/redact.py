@@ -130,6 +130,9 @@ class _CompiledRules:
         self.text_hinted = _hint_filter(all_hints, as_bytes=False)
         self.bytes_hinted = _hint_filter(all_hints, as_bytes=True)
         self.key_sensitive: dict[str, bool] = {}  # dict key -> SENSITIVE_KEY_RE matches
+        # short free texts these rules leave unchanged (tool names, content types repeat on
+        # every event): exact for every redactor with these rules (the emitter fills it)
+        self.clean_texts: set[str] = set()
         self.byte_rules = [
             (r, re.compile(r.pattern.encode()), tuple(h.encode() for h in r.hints)) for r in rules
         ]
@@ -163,6 +166,7 @@ class Redactor:
         self._bytes_hinted = compiled.bytes_hinted
         self._key_sensitive = compiled.key_sensitive
         self._byte_rules = compiled.byte_rules
+        self.clean_texts = compiled.clean_texts
 
     def _spans(self, data: Any, rules: list[tuple[Rule, Any, tuple[Any, ...]]]
                ) -> list[tuple[int, int, str]]:
