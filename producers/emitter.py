@@ -861,8 +861,8 @@ class SandboxEmitter:
     def _text(self, text: str) -> str:
         """A free-text field, redacted (see :data:`EXACT_FIELDS` for what is not). Short texts
         found clean are remembered -- tool names, content types and probe kinds repeat on
-        every event -- which is exact: this sandbox's redactor never changes, so a text with
-        nothing to redact never has."""
+        every event -- which is exact: the rules never change, so a text with nothing to
+        redact never has (the memory is shared by the emitters with the same rules)."""
         if not text or text in self._clean_text:
             return text
         out = self.redactor.redact_text(text)
