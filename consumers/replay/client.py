@@ -20,6 +20,13 @@ Guarantees
   2,000 events/s on one host, the default's commit per ack does not slow delivery: paired
   trainers, one committing per ack, one every 100 ms, had the same p50 and p99
   (BENCHMARKS.md, "Live latency"); over a network each commit costs the trainer a round trip.
+* **Through rebalances** (a broker outage longer than the session timeout makes the consumer
+  rejoin; a trainer joins or leaves the group): a commit refused meanwhile is made again once
+  the group has settled (for up to :data:`REBALANCE_COMMIT_TIMEOUT_S`, then the call raises);
+  a segment handed out but not acknowledged is never committed as consumed, even when the
+  rejoin makes the consumer read it again; a partition that moved to another member is read
+  on by that member from the group's commit (what was acknowledged here but not yet committed
+  is delivered there again).
 * **Backpressure**: at most ``max_in_flight`` delivered-but-unacknowledged segments; the
   iterator waits for acknowledgements instead of buffering without limit.
 
