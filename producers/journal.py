@@ -39,12 +39,13 @@ import ctypes
 import json
 import os
 import struct
-import sys
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from trajbus.producers.libc import libc_function
 
 _FRAME = struct.Struct("<II")
 _HLEN = struct.Struct("<I")
@@ -63,11 +64,8 @@ def _load_syncfs() -> Callable[[int], None] | None:
     ``fd`` and commits its journal once: the group commit of many emitters' journals (since
     Linux 5.8 it reports writeback errors of the filesystem, as ``fdatasync`` does for a file).
     """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):
+    fn = libc_function("syncfs")
+    if fn is None:
         return None
     fn.argtypes = [ctypes.c_int]
     fn.restype = ctypes.c_int

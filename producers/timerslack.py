@@ -17,8 +17,9 @@ Linux only; elsewhere (or if the call is refused) the functions report that noth
 from __future__ import annotations
 
 import ctypes
-import sys
 from collections.abc import Callable
+
+from trajbus.producers.libc import libc_function
 
 __all__ = ["get_timer_slack_ns", "set_timer_slack_ns"]
 
@@ -27,17 +28,7 @@ _PR_GET_TIMERSLACK = 30
 _MAX_NS = 1 << 31  # PR_GET_TIMERSLACK returns it as an int: larger values would read back wrong
 
 
-def _load_prctl() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return fn
-
-
-_prctl = _load_prctl()
+_prctl: Callable[..., int] | None = libc_function("prctl")
 
 
 def get_timer_slack_ns() -> int | None:
