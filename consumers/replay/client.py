@@ -27,6 +27,11 @@ Guarantees
   rejoin makes the consumer read it again; a partition that moved to another member is read
   on by that member from the group's commit (what was acknowledged here but not yet committed
   is delivered there again).
+* **Leaving a loop early** (``break`` after a batch of episodes, an exception in the loop):
+  the next iterator of the client reads again what the last one had fetched from Kafka but
+  not handed out -- the segments of episodes it had not completed, the rest of its last
+  fetch -- so a trainer that takes N episodes per step loses nothing and its commits go on.
+  One iterator at a time per client.
 * **Backpressure**: at most ``max_in_flight`` delivered-but-unacknowledged segments; the
   iterator waits for acknowledgements instead of buffering without limit.
 
@@ -59,9 +64,9 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError
@@ -75,6 +80,8 @@ from trajbus.bus.topics import Topics, validate_name
 from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _REMEMBERED = 200_000  # episodes whose delivery state the client keeps (bounded memory)
 # How long a commit refused because the group rebalanced under it (after a broker outage
@@ -202,6 +209,18 @@ class _PartitionProgress:
         return text
 
 
+@dataclass
+class _Read:
+    """What one :meth:`ReplayClient.segments` / :meth:`ReplayClient.episodes` iterator has
+    read from Kafka and not handed to the trainer."""
+
+    assignments_at_fetch: int  # the client's rebalance count at its last fetch
+    unhandled: dict[TopicPartition, int] = field(default_factory=dict)  # first offset not
+    # looked at yet, per partition of the last batch
+    open_episodes: dict[tuple[str, str], Episode] = field(default_factory=dict)
+    released: bool = False
+
+
 class ReplayClient:
     """Async trainer client over ``trajbus.replay.<task>`` topics."""
 
@@ -252,7 +271,8 @@ class ReplayClient:
         self.codec = codec or default_codec()
         self.stats = {"segments": 0, "events": 0, "duplicates_dropped": 0, "stale_dropped": 0,
                       "skipped_already_acked": 0, "undecodable": 0,
-                      "commits_retried_after_rebalance": 0, "acks_after_partition_moved": 0}
+                      "commits_retried_after_rebalance": 0, "acks_after_partition_moved": 0,
+                      "records_read_again_after_early_exit": 0}
         self._consumer: AIOKafkaConsumer | None = None
         self._progress: dict[TopicPartition, _PartitionProgress] = {}
         self._delivered_hwm: OrderedDict[tuple[str, str], int] = OrderedDict()
@@ -274,6 +294,8 @@ class ReplayClient:
         # "consumed" -- the commit must not pass it -- until its first delivery is acknowledged
         self._handed_out: dict[TopicPartition, set[int]] = {}
         self._positioned: set[TopicPartition] = set()
+        self._assignments = 0  # rebalances seen (revocations and assignments)
+        self._reading: _Read | None = None  # the iterator reading now
         self._latest_at_start: dict[TopicPartition, int] = {}
 
     async def start(self) -> None:
@@ -399,32 +421,54 @@ class ReplayClient:
         await self.stop()
 
     # -- iteration ----------------------------------------------------------------------
-    async def segments(self, idle_timeout: float | None = None) -> AsyncIterator[Segment]:
+    async def segments(self, idle_timeout: float | None = None
+                       ) -> AsyncGenerator[Segment, None]:
         """Yield segments as they arrive. Stops after ``idle_timeout`` seconds without data
-        (None: run forever). Acknowledge each with :meth:`ack`."""
+        (None: run forever). Acknowledge each with :meth:`ack`.
+
+        Leaving the loop early (``break``, an exception) loses nothing: the records read
+        from Kafka but not yet handed out are read again by the next iterator of this client
+        (the consumer is moved back to them)."""
+        read = self._new_read()
+        segments = self._read_segments(read, idle_timeout)
+        try:
+            async for seg in segments:
+                yield seg
+        finally:
+            await segments.aclose()
+            self._release(read)
+
+    async def _read_segments(self, read: _Read, idle_timeout: float | None
+                             ) -> AsyncGenerator[Segment, None]:
         assert self._consumer is not None, "call start() first"
         loop = asyncio.get_running_loop()
         idle_since = loop.time()
+        unhandled = read.unhandled
         while True:
             while self._in_flight >= self.max_in_flight:
                 self._acked_event.clear()
                 await self._acked_event.wait()
             batch = await self._consumer.getmany(
                 timeout_ms=200, max_records=self.max_in_flight - self._in_flight)
+            read.assignments_at_fetch = self._assignments
             if not batch:
                 if idle_timeout is not None and loop.time() - idle_since > idle_timeout:
                     return
                 continue
             idle_since = loop.time()
+            unhandled.update({tp: msgs[0].offset for tp, msgs in batch.items() if msgs})
             for tp, msgs in batch.items():
                 if tp not in self._consumer.assignment():
+                    unhandled.pop(tp, None)
                     continue  # taken by another member since this batch came: it reads them
                 progress = await self._progress_for(tp)
                 if tp not in self._consumer.assignment():  # ... or during that await
                     self._progress.pop(tp, None)
+                    unhandled.pop(tp, None)
                     continue
                 handed = self._handed_out.setdefault(tp, set())
                 for msg in msgs:
+                    unhandled[tp] = msg.offset
                     if progress.skip_on_restart(msg.offset):
                         self.stats["skipped_already_acked"] += 1
                         continue
@@ -438,14 +482,25 @@ class ReplayClient:
                     self._in_flight += 1
                     self.stats["segments"] += 1
                     self.stats["events"] += len(seg.events)
+                    unhandled[tp] = msg.offset + 1  # handed out, even if the loop ends here
                     yield seg
+                    if read.released:  # a newer iterator has taken over: it reads the rest
+                        return
+                unhandled.pop(tp, None)
             await self._maybe_commit()
 
-    async def episodes(self, idle_timeout: float | None = None) -> AsyncIterator[Episode]:
-        """Yield whole episodes once their last segment arrived. Acknowledge with :meth:`ack`."""
-        open_eps: dict[tuple[str, str], Episode] = {}
+    async def episodes(self, idle_timeout: float | None = None
+                       ) -> AsyncGenerator[Episode, None]:
+        """Yield whole episodes once their last segment arrived. Acknowledge with :meth:`ack`.
+
+        Leaving the loop early (``break``, an exception) loses nothing: the segments of
+        episodes not yet complete, and the records read but not yet looked at, are read again
+        by the next iterator of this client."""
+        read = self._new_read()
+        open_eps = read.open_episodes
+        segments = self._read_segments(read, idle_timeout)
         try:
-            async for seg in self.segments(idle_timeout):
+            async for seg in segments:
                 key = (seg.sandbox, seg.episode)
                 ep = open_eps.setdefault(key, Episode(seg.task, seg.sandbox, seg.episode))
                 ep.segments.append(seg)
@@ -460,13 +515,51 @@ class ReplayClient:
                         continue
                     yield ep
         finally:
-            # Segments of episodes never yielded are not the trainer's: not in flight, and not
-            # held back from a re-read (after a rejoin) for an acknowledgement that never comes.
-            for ep in open_eps.values():
-                for seg in ep.segments:
-                    self._handed_out.get(TopicPartition(seg.topic, seg.partition),
-                                         set()).discard(seg.offset)
-                    self._in_flight -= 1
+            await segments.aclose()
+            self._release(read)
+
+    def _new_read(self) -> _Read:
+        """The state of a new iterator. An earlier one that was left without being closed
+        (``async for`` ... ``break`` closes it only when the event loop finalizes it, maybe
+        after this one has started) is released first, so the two never share records."""
+        if self._reading is not None:
+            self._release(self._reading)
+        read = self._reading = _Read(self._assignments)
+        return read
+
+    def _release(self, read: _Read) -> None:
+        """An iterator ended: what it read from Kafka and did not hand out -- the segments of
+        episodes it had not completed, the records of its last batch it had not looked at --
+        is read again by the next one. Only those: everything before them was handed out
+        (skipped while unacknowledged), acknowledged, or had nothing new."""
+        if read.released:
+            return
+        read.released = True
+        if self._reading is read:
+            self._reading = None
+        rewind = dict(read.unhandled)
+        for ep in read.open_episodes.values():
+            # not the trainer's: not in flight, not held back from the re-read, and not
+            # "delivered" (the re-read would drop its events as duplicates)
+            self._delivered_hwm.pop((ep.sandbox, ep.episode), None)
+            for seg in ep.segments:
+                tp = TopicPartition(seg.topic, seg.partition)
+                self._handed_out.get(tp, set()).discard(seg.offset)
+                self._in_flight -= 1
+                rewind[tp] = min(seg.offset, rewind.get(tp, seg.offset))
+        read.open_episodes.clear()
+        read.unhandled.clear()
+        if self._consumer is None or not rewind:
+            return
+        if read.assignments_at_fetch != self._assignments:
+            # a rebalance since the last fetch put every partition kept back to the group's
+            # commit, which none of these offsets is past (none is acknowledged): read again
+            return
+        assigned = self._consumer.assignment()
+        for tp, offset in rewind.items():
+            if tp in assigned:
+                self._consumer.seek(tp, offset)
+                self.stats["records_read_again_after_early_exit"] += 1
 
     async def ack(self, item: Segment | Episode) -> None:
         """The trainer has consumed this segment (or every segment of this episode). Returns
@@ -688,6 +781,7 @@ class _StartAt(ConsumerRebalanceListener):
             with contextlib.suppress(Exception):
                 await client._commit_acknowledged(retry_rebalance=False)
         client._rebalancing = True
+        client._assignments += 1
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         # Partitions another member holds now: their progress goes (it commits them; a
@@ -708,8 +802,9 @@ class _StartAt(ConsumerRebalanceListener):
                 committed = await consumer.committed(tp)
                 if committed is not None and committed > client._progress[tp].committed:
                     del client._progress[tp]
-        self.client._rebalancing = False
-        await self.client._apply_start(assigned)
+        client._rebalancing = False
+        client._assignments += 1
+        await client._apply_start(assigned)
 
 
 class SyncReplayClient:
@@ -726,20 +821,23 @@ class SyncReplayClient:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def segments(self, idle_timeout: float | None = None) -> Iterator[Segment]:
-        agen = self._client.segments(idle_timeout)
-        while True:
-            try:
-                yield self._run(agen.__anext__())
-            except StopAsyncIteration:
-                return
+        """See :meth:`ReplayClient.segments`; leaving the loop early loses nothing."""
+        return self._iterate(self._client.segments(idle_timeout))
 
     def episodes(self, idle_timeout: float | None = None) -> Iterator[Episode]:
-        agen = self._client.episodes(idle_timeout)
-        while True:
-            try:
-                yield self._run(agen.__anext__())
-            except StopAsyncIteration:
-                return
+        """See :meth:`ReplayClient.episodes`; leaving the loop early loses nothing."""
+        return self._iterate(self._client.episodes(idle_timeout))
+
+    def _iterate(self, agen: AsyncGenerator[T, None]) -> Iterator[T]:
+        try:
+            while True:
+                try:
+                    yield self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:  # a loop left early: what was read and not handed out is read again
+            if self._loop.is_running():
+                self._run(agen.aclose())
 
     def ack(self, item: Segment | Episode) -> None:
         self._run(self._client.ack(item))
