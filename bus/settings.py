@@ -136,6 +136,9 @@ class ProducerSideSettings(BaseModel):
     )
 
 
+MAX_CYCLE_LENGTH_LIMIT = 8  # the watchdog's longest repeated cycle of calls
+
+
 class WatchdogSettings(BaseModel):
     loop_min_repeats: int = 20
     loop_min_span_ms: int = 120_000
@@ -149,22 +152,40 @@ class WatchdogSettings(BaseModel):
     # Per-task overrides of the fields above, e.g. {"browser": {"loop_min_repeats": 40}}.
     per_task: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
+    def rule_values(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The loop rule's values for one task: these settings with ``overrides`` (a
+        ``per_task`` entry) applied, checked. Raises ``ValueError`` naming what is wrong. The
+        watchdog builds its rules from these (``LoopRules.build``)."""
+        values: dict[str, Any] = self.model_dump(exclude={"per_task"})
+        if overrides:
+            unknown = set(overrides) - set(values)
+            if unknown:
+                raise ValueError(f"unknown watchdog setting(s): {sorted(unknown)}")
+            values.update(overrides)
+        for name in ("loop_min_repeats", "loop_min_span_ms", "loop_max_distinct_results",
+                     "max_cycle_length", "stall_after_ms"):
+            v = values[name]
+            if type(v) is not int or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if values["loop_min_repeats"] < 2:
+            raise ValueError("loop_min_repeats must be >= 2")
+        if not 1 <= values["max_cycle_length"] <= MAX_CYCLE_LENGTH_LIMIT:
+            raise ValueError(f"max_cycle_length must be in 1..{MAX_CYCLE_LENGTH_LIMIT}")
+        return values
+
     @field_validator("per_task")
     @classmethod
-    def _per_task_rules_build(cls, per_task: dict[str, dict[str, Any]],
+    def _per_task_rules_check(cls, per_task: dict[str, dict[str, Any]],
                               info: ValidationInfo) -> dict[str, dict[str, Any]]:
-        """Each task's rules are built now, by the watchdog's own rules builder, so a typo in
-        TRAJBUS_WATCHDOG__PER_TASK is refused when the settings are read (``trajbus config``
-        too), naming the variable, not when a worker starts."""
+        """Each task's rules are checked now, so a typo in TRAJBUS_WATCHDOG__PER_TASK is
+        refused when the settings are read (``trajbus config`` too), naming the variable,
+        not when a worker starts."""
         if not per_task:
             return per_task
-        # imported here: the watchdog core imports this module
-        from trajbus.consumers.watchdog.core import LoopRules
-
         base = cls.model_construct(**info.data)
         for task, overrides in per_task.items():
             try:
-                LoopRules.build(base, overrides)
+                base.rule_values(overrides)
             except ValueError as exc:
                 raise ValueError(f"task {task!r}: {exc}") from None
         return per_task

@@ -79,7 +79,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trajbus.bus.settings import WatchdogSettings
+from trajbus.bus.settings import MAX_CYCLE_LENGTH_LIMIT, WatchdogSettings
 from trajbus.consumers.watchdog.canonical import CanonicalError, Canonicalizer, canonicalizer
 
 __all__ = [
@@ -99,9 +99,6 @@ __all__ = [
 #: uuid5 namespace of every watchdog output event id.
 EVENT_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://trajbus/watchdog")
 STATE_VERSION = 1
-MAX_CYCLE_LENGTH_LIMIT = 8
-
-_RULE_KEYS = frozenset(WatchdogSettings.model_fields) - {"per_task"}  # what a task overrides
 
 # ring slot layout (per remembered call)
 _R_TOOL, _R_AFP, _R_SEQ, _R_TIME, _R_RFP, _R_CID = range(6)
@@ -247,23 +244,8 @@ class LoopRules:
 
     @classmethod
     def build(cls, base: WatchdogSettings, overrides: Mapping[str, Any] | None) -> LoopRules:
-        values: dict[str, Any] = base.model_dump()
-        if overrides:
-            unknown = set(overrides) - _RULE_KEYS
-            if unknown:
-                raise ValueError(f"unknown watchdog setting(s): {sorted(unknown)}")
-            values.update(overrides)
-        ints = ("loop_min_repeats", "loop_min_span_ms", "loop_max_distinct_results",
-                "max_cycle_length", "stall_after_ms")
-        for name in ints:
-            v = values[name]
-            if type(v) is not int or v < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
-        if values["loop_min_repeats"] < 2:
-            raise ValueError("loop_min_repeats must be >= 2")
+        values = base.rule_values(dict(overrides) if overrides else None)
         m = values["max_cycle_length"]
-        if not 1 <= m <= MAX_CYCLE_LENGTH_LIMIT:
-            raise ValueError(f"max_cycle_length must be in 1..{MAX_CYCLE_LENGTH_LIMIT}")
         ignore = frozenset(values["ignore_fields"])
         cycles = []
         off = 0
