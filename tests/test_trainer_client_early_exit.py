@@ -15,7 +15,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from replay_support import create_replay_topic
 from support import Episode, make_episodes, settings_for
 
@@ -43,7 +43,8 @@ def _segment(ep: Episode, index: int) -> bytes:
         is_first=index == 0, is_last=index == SEGMENTS - 1, is_terminal=True).encode()
 
 
-async def _publish_interleaved(settings: Settings, episodes: list[Episode]) -> None:
+async def _publish_interleaved(settings: Settings, episodes: list[Episode],
+                               indexes: range = range(SEGMENTS)) -> None:
     """Every episode's first segment, then every second one, then every last one: when the
     first episode completes, all the others are open."""
     topic = await create_replay_topic(settings, TASK)
@@ -51,7 +52,7 @@ async def _publish_interleaved(settings: Settings, episodes: list[Episode]) -> N
                                 enable_idempotence=True)
     await producer.start()
     try:
-        for index in range(SEGMENTS):
+        for index in indexes:
             for ep in episodes:
                 await producer.send_and_wait(topic, _segment(ep, index),
                                              key=episode_record_key(ep.sandbox, ep.episode))
@@ -169,3 +170,138 @@ def test_sync_client_episodes_left_after_each_one_lose_nothing(kafka_broker: Any
         assert client.stats["records_read_again_after_early_exit"] > 0
     _check_whole_once(published, received)
     assert asyncio.run(_left_over(settings, group)) == 0
+
+
+async def _wait_until(condition: Any, what: str, timeout: float = 60) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("trainer_at", ["fetch", "yield"])
+async def test_a_partition_moved_away_and_back_under_open_episodes_loses_nothing(
+        kafka_broker: Any, unique_name: str, trainer_at: str) -> None:
+    """The trainer holds open episodes on both partitions (their first two segments read)
+    when a second member joins, takes a partition, and leaves again -- while its iterator
+    waits for the last segments (``fetch``), or holds the first episode completed with the
+    rest of that fetch still to look at (``yield``). Then it reads on and leaves its loop
+    after each episode, as before. Every episode arrives once and whole: the open episodes of
+    the partition that moved are read again from the group's commit, not taken for
+    duplicates of what was read before the move, and the rest of a fetch made before the
+    rebalance is read again, not looked at."""
+    settings = settings_for(kafka_broker.bootstrap, unique_name)
+    published = _episodes(EPISODES, seed=15)
+    await _publish_interleaved(settings, published, range(SEGMENTS - 1))
+    group = f"{unique_name}-moved"
+    topic = await create_replay_topic(settings, TASK)
+    received: list[Any] = []
+    async with ReplayClient(TASK, group, settings) as client:
+        consumer = client._consumer
+        assert consumer is not None
+        it = client.episodes(idle_timeout=30)
+        first = asyncio.create_task(anext(it))
+
+        def held() -> int:
+            read = client._reading
+            return 0 if read is None else sum(len(ep.segments)
+                                              for ep in read.open_episodes.values())
+
+        await _wait_until(lambda: held() == EPISODES * (SEGMENTS - 1), "all open")
+        partitions = {seg.partition for ep in client._reading.open_episodes.values()  # type: ignore[union-attr]
+                      for seg in ep.segments}
+        assert len(partitions) == 2, "the test needs open episodes on both partitions"
+        if trainer_at == "yield":
+            await _publish_interleaved(settings, published, range(SEGMENTS - 1, SEGMENTS))
+            ep = await asyncio.wait_for(first, 30)
+            received.append(ep)
+            await client.ack(ep)
+        both = set(consumer.assignment())
+        rebalances = client._revocations
+        other = AIOKafkaConsumer(topic, bootstrap_servers=settings.kafka.bootstrap_servers,
+                                 group_id=group, enable_auto_commit=False)
+        await other.start()  # joins the group: one partition moves to it
+        try:
+            await _wait_until(lambda: len(consumer.assignment()) == 1, "a partition moved")
+        finally:
+            await other.stop()  # leaves: the partition comes back
+        await _wait_until(lambda: (set(consumer.assignment()) == both
+                                   and client._revocations >= rebalances + 2
+                                   and not client._rebalancing), "it came back")
+        # the trainer reads the returned partition again from the group's commit: wait until
+        # it has (what it held there is read again), then the last segments come
+        if trainer_at == "fetch":
+            await _wait_until(lambda: held() == EPISODES * (SEGMENTS - 1), "read again")
+            await _publish_interleaved(settings, published, range(SEGMENTS - 1, SEGMENTS))
+            ep = await asyncio.wait_for(first, 30)
+        else:
+            ep = await asyncio.wait_for(anext(it), 30)
+        received.append(ep)
+        await client.ack(ep)
+        await it.aclose()
+        for _ in range(EPISODES * 3):
+            got = None
+            async for ep in client.episodes(idle_timeout=3):
+                got = ep
+                await client.ack(ep)
+                break
+            if got is None:
+                break
+            received.append(got)
+    _check_whole_once(published, received)
+    assert await _left_over(settings, group) == 0
+
+
+def _sync_wrapper() -> SyncReplayClient:
+    """A SyncReplayClient's loop thread without a client (its iterator plumbing only)."""
+    import threading
+
+    wrapper = object.__new__(SyncReplayClient)
+    wrapper._loop = asyncio.new_event_loop()
+    wrapper._thread = threading.Thread(target=wrapper._loop.run_forever, daemon=True)
+    wrapper._thread.start()
+    return wrapper
+
+
+def _stop(wrapper: SyncReplayClient) -> None:
+    wrapper._loop.call_soon_threadsafe(wrapper._loop.stop)
+    wrapper._thread.join(5)
+
+
+@pytest.mark.timeout(30)
+def test_sync_iterator_left_early_is_closed_on_the_loop() -> None:
+    closed: list[str] = []
+
+    async def numbers() -> Any:
+        try:
+            for i in range(10):
+                yield i
+        finally:
+            closed.append("closed")
+
+    wrapper = _sync_wrapper()
+    try:
+        for n in wrapper._iterate(numbers()):
+            if n == 2:
+                break
+        assert closed == ["closed"]  # at once, not whenever a collection finds it
+    finally:
+        _stop(wrapper)
+
+
+@pytest.mark.timeout(30)
+def test_sync_iterator_left_after_the_loop_stopped_does_not_hang() -> None:
+    """An iterator left open until its client's loop has stopped (a trainer that closed the
+    client first) is not waited for: closing it would never end."""
+
+    async def numbers() -> Any:
+        for i in range(10):
+            yield i
+
+    wrapper = _sync_wrapper()
+    it = wrapper._iterate(numbers())
+    assert next(it) == 0
+    _stop(wrapper)
+    it.close()  # returns at once

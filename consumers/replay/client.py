@@ -62,6 +62,7 @@ import contextlib
 import json
 import logging
 import re
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
@@ -83,6 +84,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+_SYNC_CLOSE_TIMEOUT_S = 10.0
 _REMEMBERED = 200_000  # episodes whose delivery state the client keeps (bounded memory)
 # How long a commit refused because the group rebalanced under it (after a broker outage
 # longer than the session timeout, or a member joining or leaving) is tried again, once the
@@ -214,7 +216,7 @@ class _Read:
     """What one :meth:`ReplayClient.segments` / :meth:`ReplayClient.episodes` iterator has
     read from Kafka and not handed to the trainer."""
 
-    assignments_at_fetch: int  # the client's rebalance count at its last fetch
+    revocations_at_fetch: int  # the client's count of rebalances at its last fetch
     unhandled: dict[TopicPartition, int] = field(default_factory=dict)  # first offset not
     # looked at yet, per partition of the last batch
     open_episodes: dict[tuple[str, str], Episode] = field(default_factory=dict)
@@ -294,7 +296,7 @@ class ReplayClient:
         # "consumed" -- the commit must not pass it -- until its first delivery is acknowledged
         self._handed_out: dict[TopicPartition, set[int]] = {}
         self._positioned: set[TopicPartition] = set()
-        self._assignments = 0  # rebalances seen (revocations and assignments)
+        self._revocations = 0  # rebalances begun: each resets the kept partitions' positions
         self._reading: _Read | None = None  # the iterator reading now
         self._latest_at_start: dict[TopicPartition, int] = {}
 
@@ -450,19 +452,23 @@ class ReplayClient:
                 await self._acked_event.wait()
             batch = await self._consumer.getmany(
                 timeout_ms=200, max_records=self.max_in_flight - self._in_flight)
-            read.assignments_at_fetch = self._assignments
+            read.revocations_at_fetch = self._revocations
             if not batch:
                 if idle_timeout is not None and loop.time() - idle_since > idle_timeout:
                     return
                 continue
             idle_since = loop.time()
+            unhandled.clear()  # the last batch was handled, or left for a re-read
             unhandled.update({tp: msgs[0].offset for tp, msgs in batch.items() if msgs})
             for tp, msgs in batch.items():
                 if tp not in self._consumer.assignment():
                     unhandled.pop(tp, None)
                     continue  # taken by another member since this batch came: it reads them
                 progress = await self._progress_for(tp)
-                if tp not in self._consumer.assignment():  # ... or during that await
+                if read.revocations_at_fetch != self._revocations:
+                    unhandled.clear()  # a rebalance during that await: see below
+                    break
+                if tp not in self._consumer.assignment():
                     self._progress.pop(tp, None)
                     unhandled.pop(tp, None)
                     continue
@@ -486,7 +492,18 @@ class ReplayClient:
                     yield seg
                     if read.released:  # a newer iterator has taken over: it reads the rest
                         return
-                unhandled.pop(tp, None)
+                    if read.revocations_at_fetch != self._revocations:
+                        break  # a rebalance while the trainer had it: see below
+                else:
+                    unhandled.pop(tp, None)
+                    continue
+                # A rebalance since this batch was fetched put every partition this member
+                # kept back to the group's commit, which none of the batch's unhandled
+                # records is past: they are read again, so the rest of the batch is left (a
+                # partition that moved away and came back must not have its records taken
+                # for duplicates of the episodes dropped with it).
+                unhandled.clear()
+                break
             await self._maybe_commit()
 
     async def episodes(self, idle_timeout: float | None = None
@@ -524,8 +541,21 @@ class ReplayClient:
         after this one has started) is released first, so the two never share records."""
         if self._reading is not None:
             self._release(self._reading)
-        read = self._reading = _Read(self._assignments)
+        read = self._reading = _Read(self._revocations)
         return read
+
+    def _drop_open_episodes(self, partitions: set[TopicPartition]) -> None:
+        """Forget the current iterator's open episodes on ``partitions`` (their progress was
+        dropped in a rebalance): not in flight, not "delivered" -- read again, they are
+        delivered whole."""
+        read = self._reading
+        if read is None or not partitions:
+            return
+        for key, ep in list(read.open_episodes.items()):
+            if any(TopicPartition(seg.topic, seg.partition) in partitions for seg in ep.segments):
+                del read.open_episodes[key]
+                self._delivered_hwm.pop(key, None)
+                self._in_flight -= len(ep.segments)
 
     def _release(self, read: _Read) -> None:
         """An iterator ended: what it read from Kafka and did not hand out -- the segments of
@@ -551,8 +581,8 @@ class ReplayClient:
         read.unhandled.clear()
         if self._consumer is None or not rewind:
             return
-        if read.assignments_at_fetch != self._assignments:
-            # a rebalance since the last fetch put every partition kept back to the group's
+        if read.revocations_at_fetch != self._revocations:
+            # a rebalance since the last fetch puts every partition kept back to the group's
             # commit, which none of these offsets is past (none is acknowledged): read again
             return
         assigned = self._consumer.assignment()
@@ -777,18 +807,21 @@ class _StartAt(ConsumerRebalanceListener):
         # (one attempt, and none while a commit is under way: the rebalance waits for this; a
         # failure is left to the next commit)
         client = self.client
+        # first, before any await: a fetch returned before this point read positions the
+        # new assignment resets (aiokafka's getmany waits from here until it is made)
+        client._revocations += 1
         if client._commit_error is None and not client._commit_lock.locked():
             with contextlib.suppress(Exception):
                 await client._commit_acknowledged(retry_rebalance=False)
         client._rebalancing = True
-        client._assignments += 1
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         # Partitions another member holds now: their progress goes (it commits them; a
         # partition that comes back later starts from the group's commit, never from ours).
         client = self.client
         kept = set(assigned)
-        for tp in [tp for tp in client._progress if tp not in kept]:
+        gone = [tp for tp in client._progress if tp not in kept]
+        for tp in gone:
             del client._progress[tp]
             client._handed_out.pop(tp, None)  # that member delivers them: acks counted
         # A partition kept may have been another member's meanwhile (this one was evicted,
@@ -802,8 +835,11 @@ class _StartAt(ConsumerRebalanceListener):
                 committed = await consumer.committed(tp)
                 if committed is not None and committed > client._progress[tp].committed:
                     del client._progress[tp]
+                    gone.append(tp)
+        # the episodes an iterator holds open on those partitions are not this member's to
+        # complete: their segments are read again from the group's commit if they come back
+        client._drop_open_episodes(set(gone))
         client._rebalancing = False
-        client._assignments += 1
         await client._apply_start(assigned)
 
 
@@ -831,13 +867,39 @@ class SyncReplayClient:
     def _iterate(self, agen: AsyncGenerator[T, None]) -> Iterator[T]:
         try:
             while True:
+                step = asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop)
                 try:
-                    yield self._run(agen.__anext__())
+                    item = step.result()
                 except StopAsyncIteration:
                     return
+                except BaseException:  # Ctrl-C while waiting: the step must not run on
+                    step.cancel()  # and hand out a segment nobody receives
+                    raise
+                yield item
         finally:  # a loop left early: what was read and not handed out is read again
-            if self._loop.is_running():
-                self._run(agen.aclose())
+            self._close_iterator(agen)
+
+    def _close_iterator(self, agen: AsyncGenerator[Any, None]) -> None:
+        """Close ``agen`` on the client's loop and wait (a bounded time) for it. Not from the
+        loop's own thread (a garbage collection may finalize an iterator there) nor while the
+        interpreter shuts down (the loop's daemon thread no longer runs): the next iterator
+        releases what this one held anyway."""
+        if (sys.is_finalizing() or not self._thread.is_alive()
+                or threading.current_thread() is self._thread):
+            return
+
+        async def close() -> None:
+            while getattr(agen, "ag_running", False):  # a step being cancelled (Ctrl-C) ends
+                await asyncio.sleep(0.01)
+            await agen.aclose()
+
+        done = asyncio.run_coroutine_threadsafe(close(), self._loop)
+        try:
+            done.result(timeout=_SYNC_CLOSE_TIMEOUT_S)
+        except Exception as exc:  # never raised out of the finally it runs in
+            done.cancel()
+            log.warning("replay client: an iterator could not be closed (%s: %s); the next "
+                        "one reads again what it held", type(exc).__name__, exc)
 
     def ack(self, item: Segment | Episode) -> None:
         self._run(self._client.ack(item))
