@@ -305,3 +305,24 @@ def test_sync_iterator_left_after_the_loop_stopped_does_not_hang() -> None:
     assert next(it) == 0
     _stop(wrapper)
     it.close()  # returns at once
+
+
+async def test_episodes_open_beyond_max_in_flight_do_not_stop_delivery(
+        kafka_broker: Any, unique_name: str) -> None:
+    """``max_in_flight`` bounds what the trainer holds unacknowledged. The segments of
+    episodes not complete yet are the client's, not the trainer's: counted against it, 16
+    open segments under a bound of 4 stopped ``episodes()`` for good (it waited for acks of
+    episodes it could never complete)."""
+    settings = settings_for(kafka_broker.bootstrap, unique_name)
+    published = _episodes(EPISODES, seed=16)
+    await _publish_interleaved(settings, published)  # 16 segments before the first last one
+    received: list[Any] = []
+    async with ReplayClient(TASK, f"{unique_name}-bounded", settings, max_in_flight=4) as client:
+
+        async def read_all() -> None:
+            async for ep in client.episodes(idle_timeout=3):
+                received.append(ep)
+                await client.ack(ep)
+
+        await asyncio.wait_for(read_all(), 60)
+    _check_whole_once(published, received)

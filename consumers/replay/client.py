@@ -33,7 +33,10 @@ Guarantees
   fetch -- so a trainer that takes N episodes per step loses nothing and its commits go on.
   One iterator at a time per client.
 * **Backpressure**: at most ``max_in_flight`` delivered-but-unacknowledged segments; the
-  iterator waits for acknowledgements instead of buffering without limit.
+  iterator waits for acknowledgements instead of buffering without limit. The segments
+  ``episodes()`` holds for episodes not complete yet do not count (they are not the
+  trainer's, and waiting on them could never end): it holds as many as the episodes open at
+  once need.
 
 Subscription and start position
 -------------------------------
@@ -220,6 +223,7 @@ class _Read:
     unhandled: dict[TopicPartition, int] = field(default_factory=dict)  # first offset not
     # looked at yet, per partition of the last batch
     open_episodes: dict[tuple[str, str], Episode] = field(default_factory=dict)
+    open_segments: int = 0  # their segments (in flight, but not the trainer's yet)
     released: bool = False
 
 
@@ -447,12 +451,25 @@ class ReplayClient:
         idle_since = loop.time()
         unhandled = read.unhandled
         while True:
-            while self._in_flight >= self.max_in_flight:
+            # backpressure on what the trainer holds; the segments of episodes still open
+            # wait for the rest of their episodes, which must be read to complete them
+            while self._in_flight - read.open_segments >= self.max_in_flight:
                 self._acked_event.clear()
                 await self._acked_event.wait()
             batch = await self._consumer.getmany(
-                timeout_ms=200, max_records=self.max_in_flight - self._in_flight)
+                timeout_ms=200,
+                max_records=self.max_in_flight - (self._in_flight - read.open_segments))
             read.revocations_at_fetch = self._revocations
+            if batch and self._rebalancing:
+                # fetched from the new assignment while its callback still runs (aiokafka
+                # wakes getmany first): its open episodes may yet be dropped -- read these
+                # again once it is done
+                assigned = self._consumer.assignment()
+                for tp, msgs in batch.items():
+                    if msgs and tp in assigned:
+                        self._consumer.seek(tp, msgs[0].offset)
+                await asyncio.sleep(_REBALANCE_RETRY_S / 10)
+                continue
             if not batch:
                 if idle_timeout is not None and loop.time() - idle_since > idle_timeout:
                     return
@@ -522,11 +539,13 @@ class ReplayClient:
                 ep = open_eps.setdefault(key, Episode(seg.task, seg.sandbox, seg.episode))
                 ep.segments.append(seg)
                 ep.events.extend(seg.events)
+                read.open_segments += 1
                 if seg.gap:
                     ep.gaps.append(seg.gap)
                 if seg.is_last:
                     ep.is_terminal = seg.is_terminal
                     del open_eps[key]
+                    read.open_segments -= len(ep.segments)
                     if (self.drop_truncated and ep.truncated) or (self.drop_gappy and ep.gaps):
                         await self.ack(ep)
                         continue
@@ -554,8 +573,19 @@ class ReplayClient:
         for key, ep in list(read.open_episodes.items()):
             if any(TopicPartition(seg.topic, seg.partition) in partitions for seg in ep.segments):
                 del read.open_episodes[key]
-                self._delivered_hwm.pop(key, None)
-                self._in_flight -= len(ep.segments)
+                self._forget_open(ep)
+                read.open_segments -= len(ep.segments)
+        self._acked_event.set()
+
+    def _forget_open(self, ep: Episode) -> None:
+        """An episode an iterator held open is not the trainer's: not in flight, not held
+        back from a re-read, not "delivered" (the re-read would drop its events as
+        duplicates)."""
+        self._delivered_hwm.pop((ep.sandbox, ep.episode), None)
+        for seg in ep.segments:
+            self._handed_out.get(TopicPartition(seg.topic, seg.partition),
+                                 set()).discard(seg.offset)
+            self._in_flight -= 1
 
     def _release(self, read: _Read) -> None:
         """An iterator ended: what it read from Kafka and did not hand out -- the segments of
@@ -569,16 +599,14 @@ class ReplayClient:
             self._reading = None
         rewind = dict(read.unhandled)
         for ep in read.open_episodes.values():
-            # not the trainer's: not in flight, not held back from the re-read, and not
-            # "delivered" (the re-read would drop its events as duplicates)
-            self._delivered_hwm.pop((ep.sandbox, ep.episode), None)
+            self._forget_open(ep)
             for seg in ep.segments:
                 tp = TopicPartition(seg.topic, seg.partition)
-                self._handed_out.get(tp, set()).discard(seg.offset)
-                self._in_flight -= 1
                 rewind[tp] = min(seg.offset, rewind.get(tp, seg.offset))
         read.open_episodes.clear()
+        read.open_segments = 0
         read.unhandled.clear()
+        self._acked_event.set()
         if self._consumer is None or not rewind:
             return
         if read.revocations_at_fetch != self._revocations:
@@ -816,6 +844,14 @@ class _StartAt(ConsumerRebalanceListener):
         client._rebalancing = True
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        try:
+            await self._take(assigned)
+        finally:
+            # only now, after the start positions: until then a fetch is read again
+            # (see _read_segments), and commits wait
+            self.client._rebalancing = False
+
+    async def _take(self, assigned: list[TopicPartition]) -> None:
         # Partitions another member holds now: their progress goes (it commits them; a
         # partition that comes back later starts from the group's commit, never from ours).
         client = self.client
@@ -823,7 +859,8 @@ class _StartAt(ConsumerRebalanceListener):
         gone = [tp for tp in client._progress if tp not in kept]
         for tp in gone:
             del client._progress[tp]
-            client._handed_out.pop(tp, None)  # that member delivers them: acks counted
+            # what the trainer holds of them stays "handed out": should the partition come
+            # back, a re-read of it is not taken as consumed before the trainer's ack
         # A partition kept may have been another member's meanwhile (this one was evicted,
         # e.g. its loop blocked beyond the session timeout): if the group's commit moved past
         # ours, ours is stale -- never commit it (that would move the group back).
@@ -839,7 +876,6 @@ class _StartAt(ConsumerRebalanceListener):
         # the episodes an iterator holds open on those partitions are not this member's to
         # complete: their segments are read again from the group's commit if they come back
         client._drop_open_episodes(set(gone))
-        client._rebalancing = False
         await client._apply_start(assigned)
 
 
