@@ -15,7 +15,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from replay_support import create_replay_topic
 from support import Episode, make_episodes, settings_for
 
@@ -326,3 +326,38 @@ async def test_episodes_open_beyond_max_in_flight_do_not_stop_delivery(
 
         await asyncio.wait_for(read_all(), 60)
     _check_whole_once(published, received)
+
+
+@pytest.mark.timeout(30)
+async def test_a_start_position_that_failed_to_resolve_is_tried_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A partition is taken as positioned only once it was sought: should resolving the
+    start position fail in one assignment callback, the next one positions it (else the
+    partition would be read from the group's commit -- for a new group, the beginning --
+    instead of the trainer's start)."""
+    from trajbus.consumers.replay import client as client_module
+
+    tp = TopicPartition("replay.t", 0)
+    sought: list[tuple[TopicPartition, int]] = []
+
+    class _Consumer:
+        def seek(self, partition: TopicPartition, offset: int) -> None:
+            sought.append((partition, offset))
+
+    attempts: list[int] = []
+
+    async def resolve(consumer: Any, tps: Any, start: Any) -> dict[TopicPartition, int]:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise RuntimeError("ListOffsets timed out")
+        return {t: 42 for t in tps}
+
+    monkeypatch.setattr(client_module, "resolve_offsets", resolve)
+    client = ReplayClient("t", "g", start="earliest")
+    client._consumer = _Consumer()  # type: ignore[assignment]
+    with pytest.raises(RuntimeError):
+        await client._apply_start([tp])
+    await client._apply_start([tp])
+    assert sought == [(tp, 42)]
+    await client._apply_start([tp])  # positioned now: kept where the trainer's reading is
+    assert sought == [(tp, 42)] and len(attempts) == 2

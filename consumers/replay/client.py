@@ -295,6 +295,8 @@ class ReplayClient:
         self._commit_error: BaseException | None = None
         self._acked_event = asyncio.Event()
         self._rebalancing = False  # between a revocation and the next assignment
+        self._settled = asyncio.Event()  # set while not rebalancing
+        self._settled.set()
         # offsets handed to the trainer and not acknowledged yet, per partition: read again
         # after a rejoin (the consumer restarts at the group's commit), such a record is not
         # "consumed" -- the commit must not pass it -- until its first delivery is acknowledged
@@ -459,7 +461,6 @@ class ReplayClient:
             batch = await self._consumer.getmany(
                 timeout_ms=200,
                 max_records=self.max_in_flight - (self._in_flight - read.open_segments))
-            read.revocations_at_fetch = self._revocations
             if batch and self._rebalancing:
                 # fetched from the new assignment while its callback still runs (aiokafka
                 # wakes getmany first): its open episodes may yet be dropped -- read these
@@ -468,8 +469,13 @@ class ReplayClient:
                 for tp, msgs in batch.items():
                     if msgs and tp in assigned:
                         self._consumer.seek(tp, msgs[0].offset)
-                await asyncio.sleep(_REBALANCE_RETRY_S / 10)
+                # (bounded: should the group never settle, the fetch is simply tried again)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._settled.wait(), _REBALANCE_RETRY_S * 5)
                 continue
+            # counted only for a fetch that is handled: one put back above must not make a
+            # later release take positions the assignment is still resetting for its own
+            read.revocations_at_fetch = self._revocations
             if not batch:
                 if idle_timeout is not None and loop.time() - idle_since > idle_timeout:
                     return
@@ -529,7 +535,13 @@ class ReplayClient:
 
         Leaving the loop early (``break``, an exception) loses nothing: the segments of
         episodes not yet complete, and the records read but not yet looked at, are read again
-        by the next iterator of this client."""
+        by the next iterator of this client.
+
+        Memory: the segments of an episode are held until its last one arrives. The engine
+        ends every episode -- at its end, its drain, its sandbox's recycling, or truncated
+        after ``idle_timeout_ms`` of silence (30 min) -- so this is bounded by the episodes
+        open on the engine; a replay topic written by something else that never ends its
+        episodes would grow it without bound."""
         read = self._new_read()
         open_eps = read.open_episodes
         segments = self._read_segments(read, idle_timeout)
@@ -609,9 +621,10 @@ class ReplayClient:
         self._acked_event.set()
         if self._consumer is None or not rewind:
             return
-        if read.revocations_at_fetch != self._revocations:
-            # a rebalance since the last fetch puts every partition kept back to the group's
-            # commit, which none of these offsets is past (none is acknowledged): read again
+        if read.revocations_at_fetch != self._revocations or self._rebalancing:
+            # a rebalance since the last fetch (or under way) puts every partition kept back
+            # to the group's commit, which none of these offsets is past (none is
+            # acknowledged): they are read again without a seek, which would race it
             return
         assigned = self._consumer.assignment()
         for tp, offset in rewind.items():
@@ -658,8 +671,8 @@ class ReplayClient:
         """Seek partitions assigned to this client for the first time to the start position
         (nothing to do for ``resume``: the group's committed offsets apply)."""
         new = [tp for tp in assigned if tp not in self._positioned]
-        self._positioned.update(new)
         if self.start_position == "resume" or not new:
+            self._positioned.update(new)
             return
         assert self._consumer is not None
         if self.start_position == "latest":
@@ -669,9 +682,12 @@ class ReplayClient:
             targets.update(await resolve_offsets(self._consumer, later, "earliest"))
         else:
             targets = await resolve_offsets(self._consumer, new, self.start_position)
+        # positioned only once sought: should resolving fail (or this callback be cut
+        # short), the next assignment tries the start position again
         for tp, offset in targets.items():
             self._consumer.seek(tp, offset)
             self._progress[tp] = _PartitionProgress(offset)
+            self._positioned.add(tp)
 
     async def _progress_for(self, tp: TopicPartition) -> _PartitionProgress:
         progress = self._progress.get(tp)
@@ -838,6 +854,7 @@ class _StartAt(ConsumerRebalanceListener):
         # first, before any await: a fetch returned before this point read positions the
         # new assignment resets (aiokafka's getmany waits from here until it is made)
         client._revocations += 1
+        client._settled.clear()
         if client._commit_error is None and not client._commit_lock.locked():
             with contextlib.suppress(Exception):
                 await client._commit_acknowledged(retry_rebalance=False)
@@ -850,6 +867,7 @@ class _StartAt(ConsumerRebalanceListener):
             # only now, after the start positions: until then a fetch is read again
             # (see _read_segments), and commits wait
             self.client._rebalancing = False
+            self.client._settled.set()
 
     async def _take(self, assigned: list[TopicPartition]) -> None:
         # Partitions another member holds now: their progress goes (it commits them; a
