@@ -15,7 +15,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from replay_support import create_replay_topic
 from support import Episode, make_episodes, settings_for
 
@@ -254,57 +254,6 @@ async def test_a_partition_moved_away_and_back_under_open_episodes_loses_nothing
     assert await _left_over(settings, group) == 0
 
 
-def _sync_wrapper() -> SyncReplayClient:
-    """A SyncReplayClient's loop thread without a client (its iterator plumbing only)."""
-    import threading
-
-    wrapper = object.__new__(SyncReplayClient)
-    wrapper._loop = asyncio.new_event_loop()
-    wrapper._thread = threading.Thread(target=wrapper._loop.run_forever, daemon=True)
-    wrapper._thread.start()
-    return wrapper
-
-
-def _stop(wrapper: SyncReplayClient) -> None:
-    wrapper._loop.call_soon_threadsafe(wrapper._loop.stop)
-    wrapper._thread.join(5)
-
-
-@pytest.mark.timeout(30)
-def test_sync_iterator_left_early_is_closed_on_the_loop() -> None:
-    closed: list[str] = []
-
-    async def numbers() -> Any:
-        try:
-            for i in range(10):
-                yield i
-        finally:
-            closed.append("closed")
-
-    wrapper = _sync_wrapper()
-    try:
-        for n in wrapper._iterate(numbers()):
-            if n == 2:
-                break
-        assert closed == ["closed"]  # at once, not whenever a collection finds it
-    finally:
-        _stop(wrapper)
-
-
-@pytest.mark.timeout(30)
-def test_sync_iterator_left_after_the_loop_stopped_does_not_hang() -> None:
-    """An iterator left open until its client's loop has stopped (a trainer that closed the
-    client first) is not waited for: closing it would never end."""
-
-    async def numbers() -> Any:
-        for i in range(10):
-            yield i
-
-    wrapper = _sync_wrapper()
-    it = wrapper._iterate(numbers())
-    assert next(it) == 0
-    _stop(wrapper)
-    it.close()  # returns at once
 
 
 async def test_episodes_open_beyond_max_in_flight_do_not_stop_delivery(
@@ -326,38 +275,3 @@ async def test_episodes_open_beyond_max_in_flight_do_not_stop_delivery(
 
         await asyncio.wait_for(read_all(), 60)
     _check_whole_once(published, received)
-
-
-@pytest.mark.timeout(30)
-async def test_a_start_position_that_failed_to_resolve_is_tried_again(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A partition is taken as positioned only once it was sought: should resolving the
-    start position fail in one assignment callback, the next one positions it (else the
-    partition would be read from the group's commit -- for a new group, the beginning --
-    instead of the trainer's start)."""
-    from trajbus.consumers.replay import client as client_module
-
-    tp = TopicPartition("replay.t", 0)
-    sought: list[tuple[TopicPartition, int]] = []
-
-    class _Consumer:
-        def seek(self, partition: TopicPartition, offset: int) -> None:
-            sought.append((partition, offset))
-
-    attempts: list[int] = []
-
-    async def resolve(consumer: Any, tps: Any, start: Any) -> dict[TopicPartition, int]:
-        attempts.append(1)
-        if len(attempts) == 1:
-            raise RuntimeError("ListOffsets timed out")
-        return {t: 42 for t in tps}
-
-    monkeypatch.setattr(client_module, "resolve_offsets", resolve)
-    client = ReplayClient("t", "g", start="earliest")
-    client._consumer = _Consumer()  # type: ignore[assignment]
-    with pytest.raises(RuntimeError):
-        await client._apply_start([tp])
-    await client._apply_start([tp])
-    assert sought == [(tp, 42)]
-    await client._apply_start([tp])  # positioned now: kept where the trainer's reading is
-    assert sought == [(tp, 42)] and len(attempts) == 2

@@ -22,7 +22,10 @@ Guarantees
   (BENCHMARKS.md, "Live latency"); over a network each commit costs the trainer a round trip.
 * **Through rebalances** (a broker outage longer than the session timeout makes the consumer
   rejoin; a trainer joins or leaves the group): a commit refused meanwhile is made again once
-  the group has settled (for up to :data:`REBALANCE_COMMIT_TIMEOUT_S`, then the call raises);
+  the group has settled (for up to :data:`REBALANCE_COMMIT_TIMEOUT_S`, then the call raises;
+  the group settles only while the trainer iterates, so a trainer step between two fetches
+  must stay under aiokafka's ``max_poll_interval_ms``, 300 s, or the member is taken out of
+  the group and an ``ack()`` with per-ack commits waits, then raises ``CommitFailedError``);
   a segment handed out but not acknowledged is never committed as consumed, even when the
   rejoin makes the consumer read it again; a partition that moved to another member is read
   on by that member from the group's commit (what was acknowledged here but not yet committed
@@ -32,6 +35,10 @@ Guarantees
   not handed out -- the segments of episodes it had not completed, the rest of its last
   fetch -- so a trainer that takes N episodes per step loses nothing and its commits go on.
   One iterator at a time per client.
+* **Start positions** (``start="earliest"``, ``"latest"``, a time): applied to a partition
+  the first time this client is assigned it; if the broker cannot answer then, the partition
+  waits, paused, until it can (``stats["start_positions_retried"]``) -- never read from the
+  group's commit instead.
 * **Backpressure**: at most ``max_in_flight`` delivered-but-unacknowledged segments; the
   iterator waits for acknowledgements instead of buffering without limit. The segments
   ``episodes()`` holds for episodes not complete yet do not count (they are not the
@@ -278,7 +285,7 @@ class ReplayClient:
         self.stats = {"segments": 0, "events": 0, "duplicates_dropped": 0, "stale_dropped": 0,
                       "skipped_already_acked": 0, "undecodable": 0,
                       "commits_retried_after_rebalance": 0, "acks_after_partition_moved": 0,
-                      "records_read_again_after_early_exit": 0}
+                      "records_read_again_after_early_exit": 0, "start_positions_retried": 0}
         self._consumer: AIOKafkaConsumer | None = None
         self._progress: dict[TopicPartition, _PartitionProgress] = {}
         self._delivered_hwm: OrderedDict[tuple[str, str], int] = OrderedDict()
@@ -302,6 +309,8 @@ class ReplayClient:
         # "consumed" -- the commit must not pass it -- until its first delivery is acknowledged
         self._handed_out: dict[TopicPartition, set[int]] = {}
         self._positioned: set[TopicPartition] = set()
+        self._unpositioned: set[TopicPartition] = set()  # paused until their start is known
+        self._next_position_try = 0.0
         self._revocations = 0  # rebalances begun: each resets the kept partitions' positions
         self._reading: _Read | None = None  # the iterator reading now
         self._latest_at_start: dict[TopicPartition, int] = {}
@@ -458,6 +467,8 @@ class ReplayClient:
             while self._in_flight - read.open_segments >= self.max_in_flight:
                 self._acked_event.clear()
                 await self._acked_event.wait()
+            if self._unpositioned and not self._rebalancing:
+                await self._position_pending()
             batch = await self._consumer.getmany(
                 timeout_ms=200,
                 max_records=self.max_in_flight - (self._in_flight - read.open_segments))
@@ -669,25 +680,76 @@ class ReplayClient:
 
     async def _apply_start(self, assigned: Iterable[TopicPartition]) -> None:
         """Seek partitions assigned to this client for the first time to the start position
-        (nothing to do for ``resume``: the group's committed offsets apply)."""
+        (nothing to do for ``resume``: the group's committed offsets apply).
+
+        Runs in the assignment callback, where aiokafka only logs an exception and then
+        reads the partitions from the group's commit -- for a new group, from the beginning
+        the trainer asked to skip. So partitions whose start cannot be resolved now (the
+        broker slow or away) are paused, and the fetch loop resolves them again
+        (:meth:`_position_pending`); none is read before it is positioned."""
+        self._unpositioned.clear()  # a new assignment: its own pauses (aiokafka resets them)
         new = [tp for tp in assigned if tp not in self._positioned]
         if self.start_position == "resume" or not new:
             self._positioned.update(new)
             return
-        assert self._consumer is not None
         if self.start_position == "latest":
             # the end as of start(); a topic created since then is read from its beginning
-            later = [tp for tp in new if tp not in self._latest_at_start]
-            targets = {tp: self._latest_at_start[tp] for tp in new if tp not in later}
-            targets.update(await resolve_offsets(self._consumer, later, "earliest"))
-        else:
-            targets = await resolve_offsets(self._consumer, new, self.start_position)
-        # positioned only once sought: should resolving fail (or this callback be cut
-        # short), the next assignment tries the start position again
+            self._seek_start({tp: self._latest_at_start[tp]
+                              for tp in new if tp in self._latest_at_start})
+            new = [tp for tp in new if tp not in self._latest_at_start]
+        if not new:
+            return
+        try:
+            self._seek_start(await self._resolve_start(new))
+        except Exception as exc:
+            assert self._consumer is not None
+            self._consumer.pause(*new)
+            self._unpositioned.update(new)
+            self.stats["start_positions_retried"] += 1
+            log.warning("replay client %s: the start position (%s) of %d new partition(s) "
+                        "could not be resolved (%s: %s); they wait, paused, and it is tried "
+                        "again", self.group_id, self.start_position, len(new),
+                        type(exc).__name__, exc)
+
+    async def _resolve_start(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        assert self._consumer is not None
+        # ``latest`` reaches here only for topics created since start(): from their beginning
+        position = "earliest" if self.start_position == "latest" else self.start_position
+        return dict(await resolve_offsets(self._consumer, tps, position))
+
+    def _seek_start(self, targets: dict[TopicPartition, int]) -> None:
+        # positioned only once sought
+        assert self._consumer is not None
         for tp, offset in targets.items():
             self._consumer.seek(tp, offset)
             self._progress[tp] = _PartitionProgress(offset)
             self._positioned.add(tp)
+
+    async def _position_pending(self) -> None:
+        """Resolve again the start of partitions paused by :meth:`_apply_start` (at most every
+        ``_REBALANCE_RETRY_S`` * 5); resume those positioned. A rebalance meanwhile makes the
+        answer moot: its own assignment callback has dealt with them."""
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._next_position_try:
+            return
+        self._next_position_try = loop.time() + _REBALANCE_RETRY_S * 5
+        assert self._consumer is not None
+        revocations = self._revocations
+        pending = sorted(self._unpositioned, key=lambda tp: (tp.topic, tp.partition))
+        try:
+            targets = await self._resolve_start(pending)
+        except Exception as exc:
+            log.debug("replay client %s: start position still unresolved (%s: %s)",
+                      self.group_id, type(exc).__name__, exc)
+            return
+        if revocations != self._revocations or self._rebalancing:
+            return
+        assigned = self._consumer.assignment()
+        targets = {tp: off for tp, off in targets.items()
+                   if tp in self._unpositioned and tp in assigned}
+        self._seek_start(targets)
+        self._unpositioned.difference_update(targets)
+        self._consumer.resume(*targets)
 
     async def _progress_for(self, tp: TopicPartition) -> _PartitionProgress:
         progress = self._progress.get(tp)
