@@ -243,10 +243,13 @@ async def test_a_trainer_keeps_running_while_another_member_joins_and_leaves(
     then leaves): the first one never raises, every episode reaches one of them, and all
     that was acknowledged is committed (a fresh member has nothing left)."""
     settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
-    episodes = make_episodes(120, seed=7, task="web-shop")
+    # enough that neither partition is drained by the time b is in (a join waits for a's
+    # next heartbeat, ~3 s, at ~20 segments/s): b must get a partition with records left
+    episodes = make_episodes(400, seed=7, task="web-shop")
     await publish_replay(settings, "web-shop", episodes)
     group = f"{unique_name}-members"
     seen: dict[str, set[tuple[str, str]]] = {"a": set(), "b": set()}
+    b_left = asyncio.Event()
 
     async def trainer(name: str, stop: asyncio.Event, idle_s: float) -> ReplayClient:
         async with ReplayClient("web-shop", group, settings,
@@ -254,7 +257,8 @@ async def test_a_trainer_keeps_running_while_another_member_joins_and_leaves(
             async for seg in client.segments(idle_timeout=idle_s):
                 seen[name].add((seg.sandbox, seg.episode))
                 await client.ack(seg)
-                await asyncio.sleep(0.05)  # a trainer's work: the rebalances come mid-stream
+                if not b_left.is_set():  # a trainer's work: the rebalances come mid-stream
+                    await asyncio.sleep(0.05)
                 if stop.is_set():
                     break
         return client
@@ -270,8 +274,9 @@ async def test_a_trainer_keeps_running_while_another_member_joins_and_leaves(
         await asyncio.sleep(0.1)
     b_stop.set()  # b leaves after its first segment: a takes its partition back
     client_b = await asyncio.wait_for(b, 60)
+    b_left.set()
     client_a = await asyncio.wait_for(a, 120)
-    assert seen["b"], "the second trainer got no partition"
+    assert seen["b"], "the second trainer got no segment"
     assert seen["a"] | seen["b"] == {(e.sandbox, e.episode) for e in episodes}
     assert client_a.stats["segments"] >= 10 and client_b.stats["segments"] >= 1
     assert await _left_over(settings, group) == 0
