@@ -304,3 +304,53 @@ async def test_an_ack_beyond_an_unacknowledged_segment_is_committed_at_once(
         await client._consumer.stop()
         client._consumer = None
     assert await _left_over(settings, group) == 1
+
+
+async def test_the_commit_point_passes_the_markers_of_a_transactional_replay_topic(
+        kafka_broker: object, unique_name: str) -> None:
+    """The worker writes replay topics in transactions: every transaction leaves a commit
+    marker at an offset no reader gets. The commit point passes those (and aborted records):
+    it reaches the last record, and a restarted trainer gets nothing again -- before, it
+    stopped at the first marker, the acknowledgements beyond it overflowed the commit's
+    metadata, and a restart delivered most of the topic a second time (finding AE)."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    from replay_support import create_replay_topic, whole_episode_segment
+
+    from trajbus.bus.topics import episode_record_key
+
+    settings = settings_for(kafka_broker.bootstrap, unique_name,  # type: ignore[attr-defined]
+                            partitions=1)
+    topic = await create_replay_topic(settings, "web-shop")
+    episodes = make_episodes(600, seed=11, task="web-shop", steps=2)
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka.bootstrap_servers,
+                                transactional_id=f"{unique_name}-worker")
+    await producer.start()
+    try:
+        for i in range(0, len(episodes), 2):  # 300 transactions, a marker after each
+            async with producer.transaction():
+                for ep in episodes[i:i + 2]:
+                    await producer.send(topic, whole_episode_segment(ep),
+                                        key=episode_record_key(ep.sandbox, ep.episode))
+        await producer.begin_transaction()  # and an aborted one: its records are holes too
+        await producer.send(topic, whole_episode_segment(episodes[0]),
+                            key=episode_record_key(episodes[0].sandbox, episodes[0].episode))
+        await producer.abort_transaction()
+        async with producer.transaction():
+            ep = make_episodes(1, seed=12, task="web-shop", steps=2)[0]
+            await producer.send(topic, whole_episode_segment(ep),
+                                key=episode_record_key(ep.sandbox, ep.episode))
+    finally:
+        await producer.stop()
+
+    group = f"{unique_name}-markers"
+    assert await _left_over(settings, group) == len(episodes) + 1  # the first trainer
+    tp = TopicPartition(topic, 0)
+    probe = AIOKafkaConsumer(bootstrap_servers=settings.kafka.bootstrap_servers,
+                             group_id=group, isolation_level="read_committed")
+    await probe.start()
+    try:
+        committed, end = await probe.committed(tp), (await probe.end_offsets([tp]))[tp]
+    finally:
+        await probe.stop()
+    assert committed == end - 1  # past the last record; only its transaction's marker is left
+    assert await _left_over(settings, group) == 0  # a restarted trainer: nothing again

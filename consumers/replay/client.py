@@ -189,6 +189,21 @@ class _PartitionProgress:
     def __init__(self, committed: int, acked_beyond: Iterable[int] = ()) -> None:
         self.committed = committed  # next offset to read after a restart
         self.acked: set[int] = set(acked_beyond)
+        # Offsets that hold no record for this reader: a transaction's commit marker (one per
+        # transaction of the worker's transactional producer), an aborted transaction's
+        # records, offsets compacted away. The commit point passes them; without that it
+        # stopped at the first marker for good (finding AE). start -> end of each such run.
+        self.holes: dict[int, int] = {}
+        self.read_to = committed  # offset after the last record read (where the fetch is)
+
+    def note_read(self, offset: int) -> None:
+        """A record at ``offset`` was fetched. Read in order from ``read_to``, the offsets
+        skipped on the way hold nothing this reader can get (a fetch returns the first
+        deliverable record at or after its position). An earlier offset is a re-read after
+        a seek back: reading goes on in order from there."""
+        if offset > self.read_to:
+            self.holes[self.read_to] = offset
+        self.read_to = offset + 1
 
     def ack(self, offset: int) -> bool:
         """Record an acknowledgement; True when it is new (the commit's offset or its
@@ -206,10 +221,17 @@ class _PartitionProgress:
     def advance(self) -> bool:
         """Move the commit point over contiguous acknowledged offsets. True when it moved."""
         moved = False
-        while self.committed in self.acked:
-            self.acked.discard(self.committed)
-            self.committed += 1
+        while True:
+            if self.committed in self.acked:
+                self.acked.discard(self.committed)
+                self.committed += 1
+            elif self.committed in self.holes:
+                self.committed = max(self.committed, self.holes.pop(self.committed))
+            else:
+                break
             moved = True
+        if len(self.holes) > 1024:  # those behind the commit point are never looked up
+            self.holes = {a: b for a, b in self.holes.items() if b > self.committed}
         return moved
 
     def metadata(self) -> str:
@@ -509,6 +531,7 @@ class ReplayClient:
                 handed = self._handed_out.setdefault(tp, set())
                 for msg in msgs:
                     unhandled[tp] = msg.offset
+                    progress.note_read(msg.offset)
                     if progress.skip_on_restart(msg.offset):
                         self.stats["skipped_already_acked"] += 1
                         continue
