@@ -331,9 +331,11 @@ async def test_the_commit_point_passes_the_markers_of_a_transactional_replay_top
                 for ep in episodes[i:i + 2]:
                     await producer.send(topic, whole_episode_segment(ep),
                                         key=episode_record_key(ep.sandbox, ep.episode))
+        aborted = make_episodes(3, seed=13, task="web-shop", steps=2)
         await producer.begin_transaction()  # and an aborted one: its records are holes too
-        await producer.send(topic, whole_episode_segment(episodes[0]),
-                            key=episode_record_key(episodes[0].sandbox, episodes[0].episode))
+        for ep in aborted:
+            await producer.send(topic, whole_episode_segment(ep),
+                                key=episode_record_key(ep.sandbox, ep.episode))
         await producer.abort_transaction()
         async with producer.transaction():
             ep = make_episodes(1, seed=12, task="web-shop", steps=2)[0]

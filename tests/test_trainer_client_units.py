@@ -124,3 +124,24 @@ async def test_a_start_position_that_failed_to_resolve_is_tried_again(
     await listener.on_partitions_revoked([])
     await listener.on_partitions_assigned([fresh, known])  # positioned: left where it reads
     assert consumer.sought == [(known, 42), (fresh, 7)] and len(attempts) == 2
+
+
+def test_the_commit_point_passes_holes_but_never_an_unacknowledged_record() -> None:
+    """Offsets skipped between records read in order (transaction markers, aborted records)
+    are passed by the commit point; a record handed out and not acknowledged holds it; a
+    re-read after a seek back learns the holes again from there."""
+    from trajbus.consumers.replay.client import _PartitionProgress
+
+    p = _PartitionProgress(10)
+    for offset in (11, 12, 14, 15):  # 10 and 13: markers
+        p.note_read(offset)
+    for offset in (11, 14, 15):  # 12 handed out, not acknowledged
+        p.ack(offset)
+    p.advance()
+    assert p.committed == 12  # over the marker at 10, stopped by 12
+    p.note_read(12)  # a re-read after a seek back: the holes from here are learnt again
+    assert 13 not in p.holes
+    p.note_read(14)
+    p.ack(12)
+    p.advance()
+    assert p.committed == 16 and not p.acked

@@ -195,6 +195,7 @@ class _PartitionProgress:
         # stopped at the first marker for good (finding AE). start -> end of each such run.
         self.holes: dict[int, int] = {}
         self.read_to = committed  # offset after the last record read (where the fetch is)
+        self._prune_at = 1024
 
     def note_read(self, offset: int) -> None:
         """A record at ``offset`` was fetched. Read in order from ``read_to``, the offsets
@@ -203,6 +204,9 @@ class _PartitionProgress:
         a seek back: reading goes on in order from there."""
         if offset > self.read_to:
             self.holes[self.read_to] = offset
+        elif offset < self.read_to and self.holes:
+            # learnt again on the way from here (and not trusted over a rewritten log)
+            self.holes = {a: b for a, b in self.holes.items() if a < offset}
         self.read_to = offset + 1
 
     def ack(self, offset: int) -> bool:
@@ -230,8 +234,9 @@ class _PartitionProgress:
             else:
                 break
             moved = True
-        if len(self.holes) > 1024:  # those behind the commit point are never looked up
+        if len(self.holes) > self._prune_at:  # those behind the commit point are never
             self.holes = {a: b for a, b in self.holes.items() if b > self.committed}
+            self._prune_at = max(1024, 2 * len(self.holes))  # looked up: amortised
         return moved
 
     def metadata(self) -> str:
