@@ -48,6 +48,17 @@ BENCHES: dict[str, tuple[str, list[str], list[str], bool]] = {
 }
 
 
+def _calibration_ms() -> float:
+    """The box's speed now (hosts differ from run to run): median CPU time of one
+    ``sum(range(10**6))``, the watchdog bench's reference."""
+    times = []
+    for _ in range(7):
+        t = time.thread_time()
+        sum(range(10**6))
+        times.append(time.thread_time() - t)
+    return round(sorted(times)[3] * 1000, 2)
+
+
 def machine() -> dict[str, str]:
     cpu = "unknown"
     try:
@@ -65,6 +76,8 @@ def machine() -> dict[str, str]:
         pass
     return {
         "cpu": cpu, "cores": str(os.cpu_count()), "memory": mem,
+        "CPU calibration at this run": f"`sum(range(10**6))` takes {_calibration_ms()} ms of "
+                                       "CPU (median of 7)",
         "python": platform.python_version(), "os": platform.platform(),
         "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
@@ -153,9 +166,11 @@ def write_markdown(results: dict[str, Any], quick: bool) -> str:
     lines.append(f"- load average at end: {finished['load']}")
     ref = results.get("watchdog", {}).get("reference_ms")
     if ref:
-        lines.append(f"- CPU calibration: `sum(range(10**6))` takes {ref} ms of CPU here "
-                     "(~8-12 ms on a current, idle x86 core): absolute per-core figures below "
-                     f"are ~{ref / 10:.1f}x pessimistic")
+        lines.append(f"- CPU calibration at the watchdog bench's run (its section says when): "
+                     f"`sum(range(10**6))` took {ref} ms of CPU (~8-12 ms on a current, idle x86 "
+                     f"core): absolute per-core figures of that run are ~{ref / 10:.1f}x "
+                     "pessimistic; a section run at another time (`--only`) may have run on "
+                     "another host: compare with the calibration at this run above")
     lines += ["", "Figures come from one run on a shared 2-core machine (other engineers' test "
               "suites run concurrently: see the load averages); peers (Kafka's "
               "ProducerPerformance, confluent-kafka, raw pyarrow) run in the same invocation "
