@@ -7,7 +7,9 @@ Guarantees
 * **Once**: the client drops any event whose (sandbox, episode, seq) it has already delivered
   (a re-derived or zombie-duplicated segment), trimming partly overlapping segments.
 * **Commit after acknowledgement**: a Kafka offset is committed only when the trainer has
-  acknowledged that segment *and every earlier one in the partition*. Offsets acknowledged
+  acknowledged that segment *and every earlier one in the partition* (offsets that hold no
+  record for this reader -- the worker's transaction markers, aborted records -- count as
+  passed, learnt from the offsets skipped between records read in order). Offsets acknowledged
   beyond that point are stored in the commit's metadata, so a trainer that crashes and
   resumes sees neither a gap nor a second copy of what it acknowledged (the default,
   ``commit_every_ms=0``: every :meth:`ReplayClient.ack` returns once its commit is done).
