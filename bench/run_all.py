@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_watchdog import reference_ms
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
@@ -48,17 +50,6 @@ BENCHES: dict[str, tuple[str, list[str], list[str], bool]] = {
 }
 
 
-def _calibration_ms() -> float:
-    """The box's speed now (hosts differ from run to run): median CPU time of one
-    ``sum(range(10**6))``, the watchdog bench's reference."""
-    times = []
-    for _ in range(7):
-        t = time.thread_time()
-        sum(range(10**6))
-        times.append(time.thread_time() - t)
-    return round(sorted(times)[3] * 1000, 2)
-
-
 def machine() -> dict[str, str]:
     cpu = "unknown"
     try:
@@ -76,8 +67,9 @@ def machine() -> dict[str, str]:
         pass
     return {
         "cpu": cpu, "cores": str(os.cpu_count()), "memory": mem,
-        "CPU calibration at this run": f"`sum(range(10**6))` takes {_calibration_ms()} ms of "
-                                       "CPU (median of 7)",
+        # hosts differ from run to run: the watchdog bench's reference, measured now
+        "CPU calibration at this run": f"`sum(range(10**6))` takes {reference_ms()} ms of "
+                                       "CPU (best of 5)",
         "python": platform.python_version(), "os": platform.platform(),
         "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }

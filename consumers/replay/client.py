@@ -225,7 +225,8 @@ class _PartitionProgress:
         return offset < self.committed or offset in self.acked
 
     def advance(self) -> bool:
-        """Move the commit point over contiguous acknowledged offsets. True when it moved."""
+        """Move the commit point over contiguous acknowledged offsets and the holes between
+        them. True when it moved."""
         moved = False
         while True:
             if self.committed in self.acked:
