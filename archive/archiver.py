@@ -40,6 +40,7 @@ from trajbus.archive.rows import decode_as_written, decoded_to_row, row_nbytes
 from trajbus.archive.spool import Spool, clear_spool_dir
 from trajbus.archive.storage import ObjectStore, open_store
 from trajbus.archive.writer import ArchiveWriter, BatchResult
+from trajbus.bus.closing import close_client
 from trajbus.bus.settings import ArchiveSettings, Settings
 from trajbus.bus.topics import Topics, validate_name
 from trajbus.schemas.codec import Codec, DecodeError, default_codec
@@ -473,7 +474,7 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
         stats.duplicates, stats.conflicts = shell.duplicates, shell.conflicts
     finally:
         try:
-            await consumer.stop()
+            await close_client(consumer, "archiver consumer")
         finally:
             executor.shutdown(wait=True)
             shell.close()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
+from trajbus.bus.closing import close_client
 from trajbus.bus.errors import NotFoundError, UserError, existing
 from trajbus.bus.kafka import connection_options
 from trajbus.bus.settings import Settings
@@ -122,7 +123,7 @@ async def offset_spans(settings: Settings, topics: Sequence[str]) -> dict[str, t
         begin = await consumer.beginning_offsets(tps)
         end = await consumer.end_offsets(tps)
     finally:
-        await consumer.stop()
+        await close_client(consumer, "offsets consumer")
     for tp in tps:
         n, total = out[tp.topic]
         out[tp.topic] = (n, total + end[tp] - begin[tp])
@@ -268,5 +269,5 @@ async def count_records(settings: Settings, ranges: dict[TopicPartition, tuple[i
         for tp in pending:  # did not finish in time: fall back to the offsets
             out[tp] = None
     finally:
-        await consumer.stop()
+        await close_client(consumer, "offsets consumer")
     return out

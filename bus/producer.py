@@ -18,6 +18,7 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import DefaultPartitioner, murmur2
 
+from trajbus.bus.closing import close_client
 from trajbus.bus.kafka import BrokerUnavailableError, connection_options
 from trajbus.bus.settings import KafkaSettings, get_settings
 
@@ -117,7 +118,7 @@ async def get_producer(settings: KafkaSettings | None = None) -> AIOKafkaProduce
             try:
                 await asyncio.wait_for(producer.start(), timeout=k.connect_timeout_s)
             except Exception as exc:
-                await producer.stop()
+                await close_client(producer, "producer")
                 raise BrokerUnavailableError(
                     f"cannot start a Kafka producer for {k.bootstrap_servers} "
                     f"({type(exc).__name__}: {exc}). Start the local broker with "
@@ -138,10 +139,7 @@ async def replace_producer(broken: AIOKafkaProducer,
     if current is not None and current is broken:
         _producer = None
         k = settings or get_settings().kafka
-        try:
-            await asyncio.wait_for(current.stop(), timeout=k.connect_timeout_s)
-        except Exception:  # it is dropped either way
-            pass
+        await close_client(current, "broken producer", timeout=k.connect_timeout_s)
     return await get_producer(settings)
 
 
@@ -150,7 +148,7 @@ async def _discard() -> None:
     p, _producer = _producer, None
     if p is not None:
         try:
-            await p.stop()
+            await close_client(p, "producer of an old event loop")
         except Exception:  # the old loop may be gone; the client is dropped either way
             pass
 
@@ -161,4 +159,4 @@ async def close_producer() -> None:
     p, _producer = _producer, None
     if p is not None:
         await p.flush()
-        await p.stop()
+        await close_client(p, "producer")

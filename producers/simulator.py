@@ -58,6 +58,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
+from trajbus.bus.closing import close_client
 from trajbus.bus.kafka import connection_options
 from trajbus.bus.producer import get_producer
 from trajbus.bus.settings import Settings
@@ -428,7 +429,7 @@ class _Placements:
                 await self._task
             self._task = None
         if self._consumer is not None:
-            await self._consumer.stop()
+            await close_client(self._consumer, "placements consumer")
             self._consumer = None
 
     def expect(self, sandbox: str, request_id: str) -> _Waiter:

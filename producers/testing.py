@@ -15,6 +15,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord
 
 from trajbus.bus.admin import ensure_topics
+from trajbus.bus.closing import close_client
 from trajbus.bus.kafka import connection_options
 from trajbus.bus.settings import (
     KafkaSettings,
@@ -94,7 +95,7 @@ async def read_topics(
                 for r in recs:
                     seen.append(_seen(r, codec))
     finally:
-        await consumer.stop()
+        await close_client(consumer, "test consumer")
     return seen
 
 

@@ -15,6 +15,7 @@ from collections import Counter
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from trajbus.bus.closing import close_client
 from trajbus.bus.kafka import connection_options
 from trajbus.bus.settings import Settings
 
@@ -144,7 +145,7 @@ async def _publish_and_consume(
                     if decoded.header["sandbox"].startswith(f"demo-{run}-"):
                         got[decoded.kind] += 1
     finally:
-        await consumer.stop()
+        await close_client(consumer, "demo consumer")
     return {k: (sent[k], got[k]) for k in sorted(sent)}, time.perf_counter() - started
 
 

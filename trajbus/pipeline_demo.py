@@ -41,6 +41,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from trajbus.bus.closing import close_client
 from trajbus.bus.kafka import connection_options
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
@@ -338,7 +339,7 @@ async def _watch(settings: Settings, topics: list[str], view: View, stop: asynci
                                 f"{r['stage']}:{r['reason_code']} {r['header']['sandbox']}/"
                                 f"{r['header']['episode']}: {r['reason'][:160]}")
     finally:
-        await consumer.stop()
+        await close_client(consumer, "demo consumer")
 
 
 async def _live(view: View, started: float, stop: asyncio.Event) -> None:
@@ -454,7 +455,7 @@ async def _unstable_partitions(settings: Settings, topics: list[str]
         try:
             ends[isolation] = await consumer.end_offsets(tps)
         finally:
-            await consumer.stop()
+            await close_client(consumer, "demo consumer")
     stable, end = ends["read_committed"], ends["read_uncommitted"]
     return {f"{tp.topic}[{tp.partition}]": (stable[tp], end[tp])
             for tp in sorted(end) if stable.get(tp, end[tp]) < end[tp]}

@@ -53,6 +53,7 @@ from trajbus.bus.admin import (
     ensure_topics,
     leave_group_as_static_member,
 )
+from trajbus.bus.closing import close_client
 from trajbus.bus.kafka import (
     BrokerUnavailableError,
     broker_went_away,
@@ -526,7 +527,7 @@ class Runner:
                 await consumer.start()
             except KafkaConnectionError:
                 with contextlib.suppress(Exception):
-                    await consumer.stop()
+                    await close_client(consumer, "restore consumer")
                 raise
             return consumer
 
@@ -598,7 +599,7 @@ class Runner:
                         pending.discard(tp)
                         answered_at = time.monotonic()
         finally:
-            await consumer.stop()
+            await close_client(consumer, "restore consumer")
         return latest, restored
 
     # -- topics -------------------------------------------------------------------------
@@ -781,21 +782,9 @@ class Runner:
                      timeout: float = CLIENT_CLOSE_S) -> None:
         """Close a client within ``timeout``: a close that hangs (a client whose background
         task died with the broker, a producer waiting to deliver to a broker that is away)
-        must not keep the worker from stopping."""
-        # not wait_for: it would wait for the cancelled stop() to end, and aiokafka's stop
-        # can go on waiting for the broker after a cancel (an open transaction's abort)
-        stop = asyncio.ensure_future(client.stop())
-        await asyncio.wait({stop}, timeout=timeout)
-        if not stop.done():
-            await _give_up(stop)
-            log.warning("%s: its %s did not close within %.0f s (is the broker away?)",
-                        self.spec.name, what, timeout)
-            return
-        try:
-            stop.result()
-        except (KafkaError, OSError) as exc:
-            log.warning("%s: its %s did not close cleanly (%s: %s)", self.spec.name, what,
-                        type(exc).__name__, exc)
+        must not keep the worker from stopping, and a close that meets aiokafka#647 (a fetch
+        to a dead node pending) ends no worker in a traceback (:func:`close_client`)."""
+        await close_client(client, f"{self.spec.name}: its {what}", timeout=timeout)
 
     async def _start_clients(self, producer_args: dict[str, Any],
                              consumer_args: dict[str, Any]) -> None:
@@ -815,7 +804,7 @@ class Runner:
             except BaseException as exc:
                 for client in (consumer, producer):
                     with contextlib.suppress(Exception):
-                        await client.stop()
+                        await close_client(client, "client")
                 if broker_went_away(exc):
                     raise KafkaConnectionError(str(exc)) from exc
                 raise
@@ -1030,7 +1019,7 @@ class Runner:
                            for p in sorted(await producer.partitions_for(t))]
             except BaseException:
                 with contextlib.suppress(Exception):
-                    await producer.stop()
+                    await close_client(producer, "tick producer")
                 raise
             return producer, targets
 

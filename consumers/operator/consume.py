@@ -21,6 +21,7 @@ from typing import Any, Literal
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from trajbus.bus import inventory
+from trajbus.bus.closing import close_client
 from trajbus.bus.errors import NotFoundError, existing
 from trajbus.bus.kafka import connection_options
 from trajbus.bus.positions import iso, resolve_offsets
@@ -213,7 +214,7 @@ async def consume(settings: Settings, topic: str,
                     if await consumer.position(tp) >= end[tp]:
                         pending.discard(tp)
     finally:
-        await consumer.stop()
+        await close_client(consumer, "consumer")
 
 
 _PARTITION_LIST = re.compile(r"^\d+(,\d+)*$")

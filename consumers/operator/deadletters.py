@@ -26,6 +26,7 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 
 from trajbus.bus import inventory
+from trajbus.bus.closing import close_client
 from trajbus.bus.errors import NotFoundError, UserError
 from trajbus.bus.kafka import check_broker
 from trajbus.bus.positions import iso
@@ -285,7 +286,7 @@ async def redrive(settings: Settings, dls: Sequence[DeadLetterRecord], *,
             meta = await fut
             out.append(Redriven(d, meta.topic, meta.partition, meta.offset))
     finally:
-        await producer.stop()
+        await close_client(producer, "redrive producer")
     return out
 
 

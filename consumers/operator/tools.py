@@ -57,6 +57,7 @@ from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from trajbus.bus.closing import close_client
 from trajbus.bus.errors import NotFoundError, UserError, existing
 from trajbus.bus.kafka import check_broker, connection_options
 from trajbus.bus.settings import Settings
@@ -379,7 +380,7 @@ async def group_lag(settings: Settings, group: str, topics: Sequence[str]) -> di
         begin = await consumer.beginning_offsets(tps)
         end = await consumer.end_offsets(tps)  # the last stable offset: read_committed's end
     finally:
-        await consumer.stop()
+        await close_client(consumer, "consumer")
     ranges = {tp: (max(committed.get(tp, begin[tp]), begin[tp]), end[tp]) for tp in tps}
     records = await count_records(settings, ranges)
     lag: dict[str, int] = {}
@@ -435,7 +436,7 @@ async def read_records(
                 if await consumer.position(tp) >= end[tp]:
                     pending.discard(tp)
     finally:
-        await consumer.stop()
+        await close_client(consumer, "consumer")
     return out
 
 
@@ -1042,7 +1043,7 @@ async def republish(
         futures = [await producer.send(topic, v, key=key) for v in values]
         await asyncio.gather(*futures)
     finally:
-        await producer.stop()
+        await close_client(producer, "republish producer")
     return RepublishResult(
         topic=topic, sandbox=sandbox, episode=episode, segments=len(values), events=len(events),
         first_seq=events[0].seq, last_seq=events[-1].seq, is_last=is_last,
@@ -1074,7 +1075,7 @@ async def retained_records(settings: Settings, topics: Sequence[str]) -> dict[st
         begin = await consumer.beginning_offsets(tps)
         end = await consumer.end_offsets(tps)
     finally:
-        await consumer.stop()
+        await close_client(consumer, "consumer")
     counted = await count_records(settings, {tp: (begin[tp], end[tp]) for tp in tps})
     for tp in tps:
         n = counted.get(tp)

@@ -86,6 +86,7 @@ from aiokafka.errors import CommitFailedError, IllegalStateError
 from aiokafka.structs import OffsetAndMetadata
 
 from trajbus.bus import inventory
+from trajbus.bus.closing import close_client
 from trajbus.bus.kafka import check_broker, connection_options
 from trajbus.bus.positions import StartPosition, parse_start, resolve_offsets
 from trajbus.bus.settings import Settings, get_settings
@@ -367,7 +368,7 @@ class ReplayClient:
             # once it is created.
             self._consumer.subscribe(pattern=self.pattern, listener=_StartAt(self))
         except BaseException:
-            await self._consumer.stop()
+            await close_client(self._consumer, "trainer consumer")
             self._consumer = None
             raise
 
@@ -391,7 +392,7 @@ class ReplayClient:
                 if self._commit_error is None:
                     await self._final_commit()
             finally:
-                await self._consumer.stop()
+                await close_client(self._consumer, "trainer consumer")
                 self._consumer = None
 
     async def _final_commit(self) -> None:
@@ -707,7 +708,7 @@ class ReplayClient:
         try:
             return dict(await consumer.end_offsets(tps))
         finally:
-            await consumer.stop()
+            await close_client(consumer, "offsets consumer")
 
     async def _apply_start(self, assigned: Iterable[TopicPartition]) -> None:
         """Seek partitions assigned to this client for the first time to the start position
