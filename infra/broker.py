@@ -429,11 +429,23 @@ class LocalBroker:
         sasl_port: int | None = None,
         scram_users: Mapping[str, str] | None = None,
         scram_mechanisms: tuple[str, ...] = ("SCRAM-SHA-256", "SCRAM-SHA-512"),
+        node_id: int = 1,
+        quorum_voters: str | None = None,
+        cluster_id: str | None = None,
+        replication: int = 1,
     ) -> None:
         if data_dir is None:
             data_dir = os.environ.get("TRAJBUS_KAFKA_DATA_DIR") or DEFAULT_DATA_DIR
         self.data_dir = Path(data_dir).expanduser().resolve()
         self.host = host
+        # One node of a cluster (infra/cluster.py): its id, the static controller quorum
+        # ("1@host:port,2@host:port,..."), the cluster's id and its replication factor.
+        self.node_id = node_id
+        self.quorum_voters = quorum_voters
+        self._cluster_id = cluster_id
+        if replication < 1:
+            raise ValueError("replication must be at least 1")
+        self.replication = replication
         self.heap = heap
         self.message_max_bytes = message_max_bytes
         self.extra_properties = dict(extra_properties or {})
@@ -552,9 +564,13 @@ class LocalBroker:
     # start ----------------------------------------------------------------------------------
     def server_properties(self) -> dict[str, str]:
         mmb = str(self.message_max_bytes)
+        rf = str(self.replication)
+        # a write is acknowledged once on all replicas in sync, at least RF-1 of them: one
+        # node may be down (or restarting) and writes go on; two down and they stop
+        min_isr = str(max(1, self.replication - 1))
         props = {
             "process.roles": "broker,controller",
-            "node.id": "1",
+            "node.id": str(self.node_id),
             "controller.quorum.bootstrap.servers": f"{self.host}:{self.controller_port}",
             "listeners": (
                 f"PLAINTEXT://{self.host}:{self.port},CONTROLLER://{self.host}:{self.controller_port}"
@@ -565,18 +581,19 @@ class LocalBroker:
             "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
             "log.dirs": str(self.kraft_dir),
             "num.partitions": "1",
-            "default.replication.factor": "1",
-            "min.insync.replicas": "1",
+            "default.replication.factor": rf,
+            "min.insync.replicas": min_isr,
+            "unclean.leader.election.enable": "false",
             "auto.create.topics.enable": "false",
-            # Internal topics: one replica, and fewer partitions than the defaults (50) so the
-            # first consumer group / transaction on a fresh broker is quick.
-            "offsets.topic.replication.factor": "1",
+            # Internal topics: as replicated as the data, and fewer partitions than the
+            # defaults (50) so the first consumer group / transaction on a fresh broker is quick.
+            "offsets.topic.replication.factor": rf,
             "offsets.topic.num.partitions": "8",
-            "transaction.state.log.replication.factor": "1",
-            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.replication.factor": rf,
+            "transaction.state.log.min.isr": min_isr,
             "transaction.state.log.num.partitions": "8",
-            "share.coordinator.state.topic.replication.factor": "1",
-            "share.coordinator.state.topic.min.isr": "1",
+            "share.coordinator.state.topic.replication.factor": rf,
+            "share.coordinator.state.topic.min.isr": min_isr,
             "group.initial.rebalance.delay.ms": "0",
             # After a SIGKILL the restarted broker must wait for its old registration to
             # expire; a shorter session (default 9 s) makes crash-restart tests faster.
@@ -590,6 +607,9 @@ class LocalBroker:
             "num.network.threads": "2",
             "num.io.threads": "4",
         }
+        if self.quorum_voters is not None:
+            del props["controller.quorum.bootstrap.servers"]
+            props["controller.quorum.voters"] = self.quorum_voters
         if self.sasl_port is not None:
             listener = f"SASL_PLAINTEXT://{self.host}:{self.sasl_port}"
             props["listeners"] += f",{listener}"
@@ -633,7 +653,7 @@ class LocalBroker:
             lib_dir,
             _STORAGE_MAIN,
             "format",
-            "--standalone",
+            *(() if self.quorum_voters is not None else ("--standalone",)),
             "-t",
             cluster_id,
             "-c",
@@ -655,10 +675,22 @@ class LocalBroker:
         Idempotent: if this data directory's broker is already running, only waits for it.
         Raises BrokerError (with the tail of the broker log) if it does not come up in time.
         """
+        pid = self.launch()
+        try:
+            self.wait_ready(timeout, pid=pid)
+        except BaseException:
+            if self._proc is not None and self._proc.pid == pid:  # ours: do not leave it half up
+                self._terminate(pid, 10.0)
+                self.pid_file.unlink(missing_ok=True)
+            raise
+
+    def launch(self) -> int:
+        """Start the broker's JVM (formatting storage on first use) without waiting for it to
+        answer; returns its pid (the running one's if it is up already). The nodes of a
+        cluster are launched together: none answers before a majority of controllers runs."""
         existing = self.pid()
         if existing is not None:
-            self.wait_ready(timeout, pid=existing)
-            return
+            return existing
         ports = [("port", self.port), ("controller port", self.controller_port)]
         if self.sasl_port is not None:
             ports.append(("SASL port", self.sasl_port))
@@ -675,7 +707,7 @@ class LocalBroker:
         self.logs_dir.mkdir(exist_ok=True)
 
         meta = self._read_meta()
-        cluster_id = str(meta.get("cluster_id") or _new_cluster_id())
+        cluster_id = str(meta.get("cluster_id") or self._cluster_id or _new_cluster_id())
         self._write_properties()
         if not self._formatted():
             self._format(lib_dir, cluster_id)
@@ -704,12 +736,7 @@ class LocalBroker:
                 start_new_session=True,  # own process group: survives the caller's Ctrl-C
             )
         self.pid_file.write_text(f"{self._proc.pid}\n")
-        try:
-            self.wait_ready(timeout, pid=self._proc.pid)
-        except BaseException:
-            self._terminate(self._proc.pid, 10.0)
-            self.pid_file.unlink(missing_ok=True)
-            raise
+        return self._proc.pid
 
     def wait_ready(self, timeout: float = 60.0, *, pid: int | None = None) -> None:
         """Wait until the broker answers Metadata with itself registered (unfenced)."""
@@ -779,6 +806,20 @@ class LocalBroker:
             os.kill(pid, signal.SIGKILL)
         if not self._wait_gone(pid, 10.0):
             raise BrokerError(f"broker pid {pid} survived SIGKILL")
+
+    def pause(self) -> None:
+        """SIGSTOP the broker: it holds its connections and answers nothing (a long GC pause,
+        a frozen VM) until :meth:`resume`."""
+        pid = self.pid()
+        if pid is None:
+            raise BrokerError(f"no broker running for {self.data_dir}")
+        os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a broker stopped by :meth:`pause`."""
+        pid = self.pid()
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
 
     def restart(self, timeout: float = 60.0) -> None:
         self.stop()

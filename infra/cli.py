@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from trajbus.infra.broker import (
@@ -25,6 +26,7 @@ from trajbus.infra.broker import (
     ensure_jars,
     kafka_version,
 )
+from trajbus.infra.cluster import DEFAULT_CLUSTER_BASE_PORT, DEFAULT_CLUSTER_DATA_DIR, LocalCluster
 
 _ENV_HELP = (
     "Environment: TRAJBUS_KAFKA_PORT and TRAJBUS_KAFKA_DATA_DIR override the default port "
@@ -51,7 +53,46 @@ def _broker(args: argparse.Namespace) -> LocalBroker:
     )
 
 
+def _cluster(args: argparse.Namespace, nodes: int | None = None) -> LocalCluster:
+    return LocalCluster(getattr(args, "data_dir", None) or DEFAULT_CLUSTER_DATA_DIR, nodes,
+                        base_port=getattr(args, "port", None))
+
+
+def _is_cluster_dir(args: argparse.Namespace) -> bool:
+    """True if --data-dir (or the default cluster directory, without --data-dir) holds a
+    cluster started by ``up --nodes N``."""
+    path = args.data_dir if args.data_dir is not None else DEFAULT_CLUSTER_DATA_DIR
+    return (Path(path) / "cluster.json").exists()
+
+
+def _cmd_up_cluster(args: argparse.Namespace) -> int:
+    try:
+        cluster = _cluster(args, args.nodes)
+        already = cluster.status().running
+        cluster.start(timeout=max(args.wait, 90.0))
+    except (BrokerError, KafkaSetupError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    st = cluster.status()
+    verb = "already running" if already == cluster.size else "started"
+    print(f"Kafka {kafka_version()} cluster of {cluster.size} nodes {verb} "
+          f"(replication factor {cluster.replication}, "
+          f"min.insync.replicas {max(1, cluster.replication - 1)})")
+    for i, node in enumerate(st.nodes, 1):
+        print(f"  node {i}: pid {node.pid}, {node.bootstrap}, log {node.log_file}")
+    print(f"  bootstrap servers: {cluster.bootstrap}")
+    print(f"  data directory:    {cluster.data_dir}")
+    print(f"use it with: export TRAJBUS_KAFKA__BOOTSTRAP_SERVERS={cluster.bootstrap} "
+          f"TRAJBUS_TOPICS__REPLICATION_FACTOR={cluster.replication}")
+    dd = "" if args.data_dir is None else f" --data-dir {args.data_dir}"
+    print(f"drills: trajbus kafka kill-node N{dd} / start-node N / pause-node N / resume-node N")
+    print(f"stop it with: trajbus kafka down{dd}")
+    return 0
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
+    if args.nodes > 1:
+        return _cmd_up_cluster(args)
     broker = _broker(args)
     already = broker.is_running()
     try:
@@ -71,6 +112,18 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
+    if _is_cluster_dir(args):
+        cluster = _cluster(args)
+        running = cluster.status().running
+        try:
+            cluster.stop(timeout=args.timeout)
+        except BrokerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(f"stopped {running} of {cluster.size} cluster nodes; data kept in "
+              f"{cluster.data_dir}")
+        if args.data_dir is not None:
+            return 0
     broker = _broker(args)
     pid = broker.pid()
     if pid is None:
@@ -87,6 +140,19 @@ def _cmd_down(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    if _is_cluster_dir(args) and (args.data_dir is not None or _cluster(args).status().running):
+        cluster = _cluster(args)
+        cst = cluster.status()
+        live = cluster.live_brokers() if cst.running else 0
+        if args.json:
+            print(json.dumps({**cst.as_dict(), "live_brokers": live}))
+        else:
+            print(f"cluster of {cluster.size} nodes: {cst.running} running, {live} live "
+                  f"brokers; bootstrap {cluster.bootstrap}")
+            for i, node in enumerate(cst.nodes, 1):
+                state = f"running, pid {node.pid}" if node.running else "down"
+                print(f"  node {i}: {state} ({node.bootstrap})")
+        return 0 if cst.running == cluster.size else 3
     st = _broker(args).status()
     if args.json:
         print(json.dumps(st.as_dict()))
@@ -107,6 +173,32 @@ def _cmd_jars(args: argparse.Namespace) -> int:
     return 0
 
 
+def _node_command(action: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        if not _is_cluster_dir(args):
+            print("error: no cluster here: start one with `trajbus kafka up --nodes 3` "
+                  "(or give its --data-dir)", file=sys.stderr)
+            return 2
+        cluster = _cluster(args)
+        try:
+            getattr(cluster, f"{action}_node")(args.node)
+        except (BrokerError, ValueError, KafkaSetupError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(f"node {args.node}: {action} done ({cluster.node(args.node).bootstrap})")
+        return 0
+    return run
+
+
+_NODE_ACTIONS = {
+    "kill": "SIGKILL a node (a crash); its data stays, start-node brings it back",
+    "stop": "controlled shutdown of a node (its partition leaders move first)",
+    "start": "start a stopped or killed node and wait until it is registered again",
+    "pause": "SIGSTOP a node: it answers nothing (a long GC pause, a frozen VM) until resumed",
+    "resume": "SIGCONT a paused node",
+}
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``kafka`` command group (up/down/status/jars) to a subparsers object."""
     kafka = subparsers.add_parser(
@@ -116,7 +208,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "no Docker). The broker jars come from Maven Central on first use (needs Java 17+ "
         "and Maven). " + _ENV_HELP,
     )
-    sub = kafka.add_subparsers(dest="kafka_command", metavar="{up,down,status,jars}")
+    sub = kafka.add_subparsers(
+        dest="kafka_command",
+        metavar="{up,down,status,jars,kill-node,stop-node,start-node,pause-node,resume-node}")
     sub.required = True
 
     up = sub.add_parser(
@@ -148,6 +242,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="how long to wait for the broker to answer (default: 60)",
     )
     up.add_argument("--heap", default="512m", help="JVM max heap, e.g. 1g (default: 512m)")
+    up.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run a replicated cluster of N KRaft nodes instead of one broker (production's "
+        "shape: N=3 gives replication factor 3, min.insync.replicas 2, no unclean leader "
+        f"election). Data in ./{DEFAULT_CLUSTER_DATA_DIR} unless --data-dir; node i listens "
+        f"on --port+2(i-1) (default {DEFAULT_CLUSTER_BASE_PORT}), its controller on the next "
+        "port. The drills kill-node/stop-node/start-node/pause-node/resume-node act on it.",
+    )
     up.set_defaults(func=_cmd_up)
 
     down = sub.add_parser(
@@ -176,6 +281,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _add_data_dir(status)
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.set_defaults(func=_cmd_status)
+
+    for action, what in _NODE_ACTIONS.items():
+        node = sub.add_parser(f"{action}-node", help=what,
+                              description=f"{what[0].upper()}{what[1:]}. Acts on the cluster "
+                              "started by `trajbus kafka up --nodes N` (or its --data-dir).")
+        node.add_argument("node", type=int, help="the node's number, 1..N (its node.id)")
+        _add_data_dir(node)
+        node.set_defaults(func=_node_command(action))
 
     jars = sub.add_parser(
         "jars",

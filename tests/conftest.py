@@ -23,6 +23,7 @@ import pytest
 from support import broker_unavailable
 
 from trajbus.infra.broker import KafkaSetupError, LocalBroker, free_port
+from trajbus.infra.cluster import LocalCluster
 
 
 @dataclass
@@ -87,3 +88,37 @@ def s3_server() -> Iterator[str]:
             yield f"http://127.0.0.1:{port}"
         finally:
             server.stop()
+
+
+@pytest.fixture(scope="session")
+def kafka_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A real 3-node KRaft cluster (replication factor 3, min.insync.replicas 2, no unclean
+    election) on free ports, for the tests of production's shape. Started on first use (three
+    JVMs: only the tests that ask for it pay), stopped at the end of the session. A test that
+    kills, stops or pauses a node brings it back before it ends (``restore_cluster``)."""
+    cluster = LocalCluster(tmp_path_factory.mktemp("kafka-cluster"), 3, base_port=0)
+    problem: KafkaSetupError | None = None
+    try:
+        cluster.start(timeout=180)
+    except KafkaSetupError as exc:
+        problem = exc
+    if problem is not None:
+        broker_unavailable(problem)
+    try:
+        yield cluster
+    finally:
+        cluster.stop(timeout=30)
+
+
+@pytest.fixture
+def restore_cluster(kafka_cluster: LocalCluster) -> Iterator[LocalCluster]:
+    """The cluster, with every node running again (and all 3 registered) after the test."""
+    try:
+        yield kafka_cluster
+    finally:
+        for n in range(1, kafka_cluster.size + 1):
+            node = kafka_cluster.node(n)
+            node.resume()
+            if not node.is_running():
+                node.start(120)
+        kafka_cluster.wait_brokers(kafka_cluster.size, 120)

@@ -44,6 +44,9 @@ NOISE = ("Traceback (most recent call last)", "Unclosed AIOKafka", "Exception ig
 # their own reason, cleanly). Any other command must say it could not reach Kafka.
 OFFLINE = {
     ("kafka", "up"), ("kafka", "down"), ("kafka", "status"), ("kafka", "jars"),  # local broker
+    # the local cluster's drills (no cluster there: they say so)
+    ("kafka", "kill-node"), ("kafka", "stop-node"), ("kafka", "start-node"),
+    ("kafka", "pause-node"), ("kafka", "resume-node"),
     ("schemas",), ("config",),
     ("archive", "episode"), ("archive", "episodes"), ("archive", "sql"), ("archive", "compact"),
     ("archive", "retention"),
@@ -52,7 +55,7 @@ OFFLINE = {
 # A valid value for a required argument, by its dest (anything else gets "x").
 PLACEHOLDERS = {"sandbox": "sb-none", "task": "no-such-task", "episode": "ep-none",
                 "query": "SELECT 1", "topic": "sandbox.events", "names": "debug-none",
-                "ids": "0123456789abcdef", "id": "0123456789abcdef"}
+                "ids": "0123456789abcdef", "id": "0123456789abcdef", "node": "1"}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,137 @@
+"""Production's shape: a real 3-node KRaft cluster (``trajbus kafka up --nodes 3``), its topics
+replicated with min.insync.replicas 2, and clients that ride out a node's death.
+
+The whole pipeline under node faults is in tests/test_cluster_pipeline.py (and the soak with
+``--nodes 3``); these are the cluster's own properties and the clients' close path."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import KafkaError
+
+from trajbus.bus.admin import ensure_topics
+from trajbus.bus.closing import close_client
+from trajbus.bus.settings import KafkaSettings, Settings, TopicSettings
+from trajbus.bus.topics import TopicSpec
+from trajbus.infra.cluster import LocalCluster
+
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
+
+
+async def _leaders(bootstrap: str, topic: str) -> dict[int, int]:
+    """partition -> leader node id."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        [desc] = await admin.describe_topics([topic])
+        return {p["partition"]: p["leader"] for p in desc["partitions"]}
+    finally:
+        await admin.close()
+
+
+def test_the_cli_reports_the_cluster_and_its_nodes(kafka_cluster: LocalCluster) -> None:
+    env = {**os.environ, "TRAJBUS_KAFKA_PORT": ""}
+    proc = subprocess.run([sys.executable, "-m", "trajbus", "kafka", "status", "--data-dir",
+                           str(kafka_cluster.data_dir)], capture_output=True, text=True,
+                          env=env, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "3 running, 3 live brokers" in proc.stdout
+    for broker in kafka_cluster.brokers:
+        assert broker.bootstrap in proc.stdout
+
+
+async def test_topics_get_three_replicas_and_min_insync_two(kafka_cluster: LocalCluster,
+                                                            unique_name: str) -> None:
+    settings = Settings(kafka=KafkaSettings(bootstrap_servers=kafka_cluster.bootstrap),
+                        topics=TopicSettings(prefix=unique_name, replication_factor=3))
+    topic = f"{unique_name}.data"
+    await ensure_topics(settings, [TopicSpec(topic, 3, "test", "key")])
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_cluster.bootstrap)
+    await admin.start()
+    try:
+        [desc] = await admin.describe_topics([topic])
+        assert {len(p["replicas"]) for p in desc["partitions"]} == {3}
+        [resp] = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, topic)])
+        configs = {name: value for name, value, *_ in resp.resources[0][4]}
+        assert configs["min.insync.replicas"] == "2"
+    finally:
+        await admin.close()
+
+
+async def test_one_node_down_writes_go_on_two_down_they_stop(restore_cluster: LocalCluster,
+                                                             unique_name: str) -> None:
+    """min.insync.replicas 2 of 3: a write is acknowledged by at least two replicas, so one
+    node may die and nothing acknowledged is lost; with two down, no write is acknowledged."""
+    cluster = restore_cluster
+    settings = Settings(kafka=KafkaSettings(bootstrap_servers=cluster.bootstrap),
+                        topics=TopicSettings(prefix=unique_name, replication_factor=3))
+    topic = f"{unique_name}.data"
+    await ensure_topics(settings, [TopicSpec(topic, 1, "test", "key")])
+    producer = AIOKafkaProducer(bootstrap_servers=cluster.bootstrap, enable_idempotence=True,
+                                request_timeout_ms=5000)
+    await producer.start()
+    try:
+        await producer.send_and_wait(topic, b"all up")
+        leader = (await _leaders(cluster.bootstrap, topic))[0]
+        await asyncio.to_thread(cluster.kill_node, leader)
+        await asyncio.wait_for(producer.send_and_wait(topic, b"one down"), 60)
+        other = next(n for n in range(1, 4) if n != leader)
+        await asyncio.to_thread(cluster.kill_node, other)
+        with pytest.raises((KafkaError, TimeoutError)):
+            await asyncio.wait_for(producer.send_and_wait(topic, b"two down"), 15)
+        await asyncio.to_thread(cluster.start_node, other)
+        await asyncio.wait_for(producer.send_and_wait(topic, b"one back"), 90)
+    finally:
+        await close_client(producer, "test producer", timeout=5)
+    consumer = AIOKafkaConsumer(bootstrap_servers=cluster.bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        got: list[bytes] = []
+        deadline = time.monotonic() + 60
+        while b"one back" not in got and time.monotonic() < deadline:
+            for msgs in (await consumer.getmany(timeout_ms=1000)).values():
+                got += [m.value for m in msgs if m.value is not None]
+        # every acknowledged write is there, once; the refused one may or may not be
+        assert [v for v in got if v != b"two down"] == [b"all up", b"one down", b"one back"]
+    finally:
+        await close_client(consumer, "test consumer")
+
+
+async def test_a_consumer_closes_cleanly_while_a_node_it_fetches_from_is_dead(
+        restore_cluster: LocalCluster, unique_name: str) -> None:
+    """The field failure of issue 36: a consumer stopped while its fetch to a dead node sat in
+    the retry back-off ended the demo in a CancelledError traceback. Every node in turn:
+    killed under a consumer reading all partitions, then the consumer is closed at once."""
+    cluster = restore_cluster
+    settings = Settings(kafka=KafkaSettings(bootstrap_servers=cluster.bootstrap),
+                        topics=TopicSettings(prefix=unique_name, replication_factor=3))
+    topic = f"{unique_name}.data"
+    await ensure_topics(settings, [TopicSpec(topic, 6, "test", "key")])
+    for node in range(1, cluster.size + 1):
+        consumer = AIOKafkaConsumer(bootstrap_servers=cluster.bootstrap,
+                                    enable_auto_commit=False, retry_backoff_ms=2000)
+        await consumer.start()
+        tps = [TopicPartition(topic, p) for p in range(6)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        await consumer.getmany(timeout_ms=500)
+        await asyncio.to_thread(cluster.kill_node, node)
+        await consumer.getmany(timeout_ms=1500)  # a fetch to the dead node fails, backs off
+        started = time.monotonic()
+        await close_client(consumer, f"consumer (node {node} dead)", timeout=15)
+        assert time.monotonic() - started < 16
+        assert not any(c.connected() for c in consumer._client._conns.values())
+        await asyncio.to_thread(cluster.start_node, node)
