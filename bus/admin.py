@@ -92,12 +92,18 @@ async def _ensure_topics_once(settings: Settings, specs: list[TopicSpec], answer
         existing = set(await admin.list_topics())
         missing = [s for s in specs if s.name not in existing]
         created: list[str] = []
+        rf = settings.topics.replication_factor
+        if missing:
+            await _check_replication_factor(admin, settings)
         for spec in missing:
+            configs = spec.kafka_configs()
+            configs.setdefault("min.insync.replicas",
+                               str(settings.topics.effective_min_insync_replicas))
             topic = NewTopic(
                 spec.name,
                 num_partitions=spec.partitions,
-                replication_factor=settings.topics.replication_factor,
-                topic_configs=spec.kafka_configs(),
+                replication_factor=rf,
+                topic_configs=configs,
             )
             try:
                 resp = await admin.create_topics([topic])
@@ -116,6 +122,27 @@ async def _ensure_topics_once(settings: Settings, specs: list[TopicSpec], answer
         return created, present
     finally:
         await admin.close()
+
+
+class ReplicationFactorError(ValueError):
+    """The topics' replication factor cannot be met by the cluster (a set-up mistake)."""
+
+
+async def _check_replication_factor(admin: AIOKafkaAdminClient, settings: Settings) -> None:
+    """Fail at once, saying what to set, when the cluster has fewer live brokers than the
+    replication factor asked for (Kafka would refuse each topic with a bare error 38)."""
+    rf = settings.topics.replication_factor
+    if rf <= 1:
+        return
+    cluster = await admin.describe_cluster()
+    brokers = len(cluster.get("brokers", []) or [])
+    if brokers and brokers < rf:
+        raise ReplicationFactorError(
+            f"TRAJBUS_TOPICS__REPLICATION_FACTOR={rf}, but the Kafka cluster at "
+            f"{settings.kafka.bootstrap_servers} has {brokers} live broker"
+            f"{'s' if brokers != 1 else ''}: topics cannot be created with {rf} replicas. "
+            f"Set TRAJBUS_TOPICS__REPLICATION_FACTOR={brokers} or less (1 for a single local "
+            "broker), or bring the cluster's missing nodes back (`trajbus kafka status`).")
 
 
 async def _wait_visible(admin: AIOKafkaAdminClient, names: list[str], timeout: float = 30) -> None:

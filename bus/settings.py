@@ -94,8 +94,28 @@ class KafkaSettings(BaseModel):
 class TopicSettings(BaseModel):
     prefix: str = "trajbus"
     partitions: int = 6
-    replication_factor: int = 1
+    # On a cluster set 3 (TRAJBUS_TOPICS__REPLICATION_FACTOR=3): one node may die and
+    # nothing acknowledged is lost, nor does writing stop.
+    replication_factor: int = Field(default=1, ge=1)
+    # None: RF-1 when RF >= 3 (a write is acknowledged by at least two replicas, and one node
+    # may be down), else 1. Set explicitly to override on every topic trajbus creates.
+    min_insync_replicas: int | None = Field(default=None, ge=1)
     max_message_bytes: int = 8 * 1024 * 1024
+
+    @property
+    def effective_min_insync_replicas(self) -> int:
+        if self.min_insync_replicas is not None:
+            return self.min_insync_replicas
+        return self.replication_factor - 1 if self.replication_factor >= 3 else 1
+
+    @model_validator(mode="after")
+    def _min_isr_within_rf(self) -> TopicSettings:
+        if self.effective_min_insync_replicas > self.replication_factor:
+            raise ValueError(
+                f"min_insync_replicas ({self.min_insync_replicas}) exceeds replication_factor "
+                f"({self.replication_factor}): no write could ever be acknowledged; lower "
+                "TRAJBUS_TOPICS__MIN_INSYNC_REPLICAS or raise TRAJBUS_TOPICS__REPLICATION_FACTOR")
+        return self
 
 
 class ProducerSideSettings(BaseModel):

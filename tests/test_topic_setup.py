@@ -16,7 +16,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from support import QuietCore, settings_for
 
-from trajbus.bus.admin import ensure_topics
+from trajbus.bus.admin import ReplicationFactorError, ensure_topics
 from trajbus.bus.kafka import BrokerUnavailableError
 from trajbus.bus.settings import KafkaSettings, Settings, TopicSettings
 from trajbus.bus.topics import TopicSpec
@@ -59,9 +59,13 @@ async def test_a_refusal_that_is_not_transient_fails_at_once(kafka_broker, uniqu
     settings = Settings(kafka=KafkaSettings(bootstrap_servers=kafka_broker.bootstrap),
                         topics=TopicSettings(prefix=unique_name, replication_factor=3))
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match="error 38") as info:
+    with pytest.raises(ReplicationFactorError) as info:
         await ensure_topics(settings, [TopicSpec(f"{unique_name}.rf3", 1, "test", "key")])
     assert not isinstance(info.value, BrokerUnavailableError)
+    # it says what to set, not Kafka's bare "error 38"
+    assert "TRAJBUS_TOPICS__REPLICATION_FACTOR=3" in str(info.value)
+    assert "has 1 live broker" in str(info.value)
+    assert "TRAJBUS_TOPICS__REPLICATION_FACTOR=1 or less" in str(info.value)
     assert time.monotonic() - started < 10
 
 
