@@ -42,6 +42,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="use this existing Kafka instead of the local broker (default: "
                    "TRAJBUS_KAFKA__BOOTSTRAP_SERVERS when set, else a local broker on "
                    "127.0.0.1:9092, started if needed)")
+    p.add_argument("--nodes", type=int, default=1, metavar="N",
+                   help="run on a local replicated cluster of N Kafka nodes (production's "
+                   "shape; N=3: replication factor 3, min.insync.replicas 2), started like "
+                   "`trajbus kafka up --nodes N` unless it runs already. Try a drill meanwhile "
+                   "from another shell: `trajbus kafka kill-node 2`, then `start-node 2`")
     p.add_argument("--smoke", action="store_true",
                    help="only publish events of every kind and count them back (no processors)")
     p.add_argument("--events-per-kind", type=int, default=200, metavar="N",
@@ -54,11 +59,23 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from trajbus.bus.settings import get_settings
     from trajbus.infra.broker import LocalBroker
+    from trajbus.infra.cluster import LocalCluster
 
     base = get_settings()  # every TRAJBUS_ setting applies (security, partitions, ...)
-    broker = None
+    broker: LocalBroker | LocalCluster | None = None
     bootstrap = args.bootstrap or os.environ.get("TRAJBUS_KAFKA__BOOTSTRAP_SERVERS")
-    if bootstrap is None:
+    if bootstrap is None and args.nodes > 1:
+        cluster = LocalCluster(nodes=args.nodes)
+        already = cluster.status().running == cluster.size
+        _say(f"local Kafka cluster of {cluster.size} nodes: "
+             f"{'already running' if already else 'starting'} on {cluster.bootstrap}")
+        cluster.start(timeout=180)
+        bootstrap = cluster.bootstrap
+        if "TRAJBUS_TOPICS__REPLICATION_FACTOR" not in os.environ:
+            base = base.model_copy(update={"topics": base.topics.model_copy(
+                update={"replication_factor": cluster.replication})})
+        broker = None if already else cluster
+    elif bootstrap is None:
         broker = LocalBroker()
         already = broker.is_running()
         _say(f"local Kafka broker: {'already running' if already else 'starting'} "
@@ -80,7 +97,8 @@ def run_demo(args: argparse.Namespace) -> int:
         run = isolated_run(settings, seed)
         _say(f"this run's topics, consumer groups, state and transactional ids use the prefix "
              f"{run.topics.prefix!r}; archive: {run.archive.url}")
-        code = asyncio.run(run_pipeline(run, args.sandboxes, args.episodes, seed))
+        code = asyncio.run(run_pipeline(run, args.sandboxes, args.episodes, seed,
+                                        run_id=run.topics.prefix.rsplit(".", 1)[-1]))
         print(f"\nto look at this run (the broker must still run: --keep):\n"
               f"  export TRAJBUS_TOPICS__PREFIX={run.topics.prefix} "
               f"TRAJBUS_ARCHIVE__URL={run.archive.url}")
@@ -90,7 +108,7 @@ def run_demo(args: argparse.Namespace) -> int:
             _say("stopping the broker this demo started")
             broker.stop()
         elif broker is not None:
-            _say(f"broker left running on {bootstrap}; stop it with: trajbus kafka down")
+            _say(f"Kafka left running on {bootstrap}; stop it with: trajbus kafka down")
 
 
 async def _publish_and_consume(

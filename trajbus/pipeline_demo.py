@@ -91,14 +91,17 @@ class Faults:
 
 async def run_pipeline(settings: Settings, sandboxes: int, episodes: int, seed: int, *,
                        work_root: Path = Path(".trajbus/demo"),
-                       settle_timeout_s: float = 90, faults: Faults | None = None) -> int:
+                       settle_timeout_s: float = 90, faults: Faults | None = None,
+                       run_id: str | None = None) -> int:
     """Run the pipeline once and check it (module docstring). Returns 0 when every check
-    passed."""
+    passed. Its files (the emitters' journals, the manifest, the worker's log) go to
+    ``work_root/<run_id>`` (default: the seed): a run must not find another run's journals,
+    so callers that repeat a seed give each run its own ``run_id``."""
     from trajbus.bus.admin import ensure_base_topics, register_schemas
     from trajbus.bus.producer import close_producer
     from trajbus.producers.simulator import simulate
 
-    work = work_root / str(seed)
+    work = work_root / (run_id or str(seed))
     work.mkdir(parents=True, exist_ok=True)
     topics = Topics(settings)
     await ensure_base_topics(settings, TASKS)
