@@ -306,9 +306,13 @@ def test_a_flood_of_open_episodes_is_still_refused_and_names_its_records() -> No
     log = Log()
     p = limited()
     t = T0 + 10_000
+    # healthy partitions: a tick a second on each (a silent stretch would be an outage, which
+    # stops the clock: engine/log_silence.py)
+    ticks = [r for pair in zip(log.ticks(EVENTS, T0, t - 1000), log.ticks(CHUNKS, T0, t - 1000),
+                               strict=True) for r in pair]
     starts = [log.rec(EVENTS, m.EpisodeStart(header=_ep_header(f"ep-{i}", 0, t + i)).encode(),
                       t + i) for i in range(8)]
-    outs = feed(p, [log.tick(EVENTS, T0), log.tick(CHUNKS, T0), *starts])
+    outs = feed(p, [*ticks, *starts])
     assert dead_letters(outs) == []  # ahead of the clock: held, not yet judged
     outs += feed(p, [log.tick(EVENTS, t + 1000)])
     assert dead_letters(outs) == []  # the chunks topic has not been read that far
@@ -430,3 +434,109 @@ def test_a_drained_final_seq_of_a_held_episode_is_applied_when_it_is_admitted() 
     ends = [o for o in outs if getattr(o, "is_last", False)]
     assert [(o.episode, o.is_terminal) for o in ends] == [("ep0", True), ("ep1", False)]
     assert c.counters()["episodes_open"] == 0
+
+
+# -- an input partition's outage (a dead leader) stops the clock ------------------------------
+OUTAGE_TIMEOUT = 5_000  # the default gap timeout: shorter than a leader failover
+
+
+def outage_processor() -> ReorderProcessor:
+    s = Settings()
+    s.topics.prefix = "t"
+    s.replay = ReplaySettings(gap_timeout_ms=OUTAGE_TIMEOUT)
+    return ReorderProcessor(s)
+
+
+def leader_failover_log(log: Log, *, lost: bool = False) -> tuple[list[InRecord], list[InRecord]]:
+    """The shape measured on a 3-node cluster (2026-12-05) when the leader of both input
+    partitions was SIGKILLed: chunks 1 and 3 are written just before the crash; chunk 4,
+    produced before the crash too, sits in its producer's retries through the 5.5 s failover
+    and is written after the six ticks queued meanwhile (which claim times up to 0.1 s before
+    it) and after seqs 2 and 5 on the events partition. ``lost``: chunk 4 never comes (a real
+    gap). Returns (events, chunks) records."""
+    crash, back = T0 + 9_600, T0 + 15_100
+    events = [*log.ticks(EVENTS, T0, T0 + 9_000), log.rec(EVENTS, start(T0 + 500), T0 + 9_100)]
+    chunks = [*log.ticks(CHUNKS, T0, T0 + 9_000),
+              log.rec(CHUNKS, chunk(1, T0 + 9_400), T0 + 9_400),
+              log.rec(CHUNKS, chunk(3, T0 + 9_500), T0 + 9_500)]
+    # the queued ticks (created during the outage) and what follows, written from `back` on
+    for topic, out in ((EVENTS, events), (CHUNKS, chunks)):
+        for tick_time in range(crash + 400, back, 1_000):
+            tick = log.tick(topic, tick_time)
+            out.append(InRecord(*tick[:5], back))
+    if not lost:
+        chunks.append(log.rec(CHUNKS, chunk(4, T0 + 9_550), back + 100))
+    events.append(log.rec(EVENTS, call(2, T0 + 9_300), back + 150))
+    events.append(log.rec(EVENTS, end(5, back + 200), back + 200))
+    events += log.ticks(EVENTS, back + 900, back + 30_000)
+    chunks += log.ticks(CHUNKS, back + 900, back + 30_000)
+    return events, chunks
+
+
+@pytest.mark.parametrize("order", ["events first", "chunks first", "interleaved by log time"])
+def test_a_record_delayed_by_a_leader_failover_is_no_gap(order: str) -> None:
+    """Before the fix (timers on log time alone) the live order -- the events partition read
+    ahead -- closed seq 4 as a gap and sent it late: chunk 3 restarted the stall at its
+    pre-crash log time, and the queued ticks moved the clock past that deadline while chunk 4
+    was still in its producer. Time stands still while an input partition is silent, so
+    chunk 4 has the gap timeout after the failover to arrive."""
+    log = Log()
+    events, chunks = leader_failover_log(log)
+    if order == "events first":
+        records = events + chunks
+    elif order == "chunks first":
+        records = chunks + events
+    else:
+        records = sorted(events + chunks, key=lambda r: (r.timestamp_ms, r.topic))
+    view = replay_view(feed(outage_processor(), records))
+    assert view == {"seqs": [0, 1, 2, 3, 4, 5], "gaps": [], "late": 0}
+
+
+def test_a_real_gap_still_closes_after_an_outage() -> None:
+    """The clock stops during the silence, not for good: a seq that never comes is declared
+    missing once the partitions have served the gap timeout again."""
+    log = Log()
+    events, chunks = leader_failover_log(log, lost=True)
+    view = replay_view(feed(outage_processor(), events + chunks))
+    assert view == {"seqs": [0, 1, 2, 3, 5], "gaps": [(4, 4)], "late": 0}
+
+
+def test_the_silences_survive_a_restore() -> None:
+    """A worker that restores from the changelog mid-way decides exactly as one that ran
+    through: the silences are part of the processor's state."""
+    log = Log()
+    events, chunks = leader_failover_log(log)
+    records = events + chunks
+    whole = replay_view(feed(outage_processor(), records))
+    cut = len(events) + 14  # in the chunks' outage burst, before chunk 4
+    first = outage_processor()
+    outs = feed(first, records[:cut])
+    changelog = first.take_dirty()
+    second = outage_processor()
+    for key, blob in changelog.items():
+        second.restore(key, blob)
+    outs += feed(second, records[cut:])
+    assert replay_view(outs) == whole == {"seqs": [0, 1, 2, 3, 4, 5], "gaps": [], "late": 0}
+
+
+def test_log_silences_merge_and_measure() -> None:
+    from trajbus.consumers.engine.log_silence import LogSilences
+
+    s = LogSilences(allowance_ms=2_000)
+    for t in (0, 1_000, 2_000):
+        s.observe("a", t)
+        s.observe("b", t)
+    assert s.serving(2_500) == 2_500  # healthy: serving time is log time
+    s.observe("a", 10_000)  # a was silent from 4,000 (2,000 + allowance) to 10,000
+    assert s.serving(10_000) == 4_000 and s.serving(3_000) == 3_000
+    s.observe("b", 12_000)  # b's silence [4,000, 12,000) overlaps a's: counted once
+    assert s.silent_before(12_000) == 8_000 and s.serving(13_000) == 5_000
+    s.observe("a", 9_000)  # older than a's latest: not a silence
+    assert s.silent_before(20_000) == 8_000
+    restored = LogSilences(allowance_ms=2_000)
+    restored.unpack(s.pack())
+    assert restored.serving(13_000) == 5_000 and restored.last == s.last
+    s.fold(12_000 + 3_600_000 + 1)  # long past: folded into one total, same serving times
+    assert s.starts == [] and s.serving(3_700_000) == 3_700_000 - 8_000
+    with pytest.raises(ValueError):
+        restored.unpack(b"{not json")

@@ -15,6 +15,7 @@ from trajbus.bus import deadletter
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics, TopicSpec, episode_record_key, validate_name
 from trajbus.consumers.engine import metrics
+from trajbus.consumers.engine.log_silence import SILENCES_KEY, LogSilences
 from trajbus.consumers.engine.runner import InRecord, OutRecord, ProcessorSpec
 from trajbus.consumers.replay.core import (
     DeadLetterOut,
@@ -78,6 +79,11 @@ class _Adapter:
 
 
 # -- reorder -----------------------------------------------------------------------------
+#: How much longer than the tick interval an input partition may go without a record before
+#: the stretch counts as a silence (a ticker delayed by a busy CPU is not an outage).
+SILENCE_SLACK_MS = 1_000
+
+
 class ReorderProcessor(_Adapter):
     """Raw sandbox events and trace chunks -> ordered replay segments per task."""
 
@@ -99,6 +105,9 @@ class ReorderProcessor(_Adapter):
             or settings.topics.max_message_bytes + 512 * 1024)
         self.inputs = tuple(self.topics.input_topics)
         self.watermarks: dict[str, int] = {}
+        # Timeouts count serving time: log time with the input partitions' silences (an
+        # outage: a dead leader, a lost ISR majority) taken out; see engine/log_silence.py.
+        self.silences = LogSilences(settings.scheduler.tick_interval_ms + SILENCE_SLACK_MS)
 
     def handle(self, rec: InRecord) -> list[OutRecord]:
         """One record, one segment per released run (no coalescing): the faust engine and
@@ -109,6 +118,7 @@ class ReorderProcessor(_Adapter):
 
     def _handle(self, rec: InRecord, outs: list[OutRecord],
                 merger: _SegmentMerger | None) -> None:
+        self.silences.observe(rec.topic, rec.timestamp_ms)
         head = self._decode_head(rec, outs)
         if head is None:
             return
@@ -119,7 +129,8 @@ class ReorderProcessor(_Adapter):
                 self.watermarks[rec.topic] = t
             if all(topic in self.watermarks for topic in self.inputs):
                 now = min(self.watermarks[topic] for topic in self.inputs)
-                self._convert(self.core.tick(now), outs, None, merger)
+                self.silences.fold(now)
+                self._convert(self.core.tick(self.silences.serving(now)), outs, None, merger)
                 self._gauges()
             return
         if kind not in _REORDERED:
@@ -133,7 +144,7 @@ class ReorderProcessor(_Adapter):
                                          "episode id", header=header))
             return
         if self.core.clock_ms == 0:  # before the first watermark: start from the log's time
-            self.core.tick(rec.timestamp_ms)
+            self.core.tick(self.silences.serving(rec.timestamp_ms))
         self._convert(self.core.handle(self._event(rec, head), rec), outs, rec, merger)
 
     def _decode_head(self, rec: InRecord, outs: list[OutRecord]) -> Head | None:
@@ -149,7 +160,8 @@ class ReorderProcessor(_Adapter):
         """The core's input for a decoded record. Drained is the one kind whose body the core
         reads beyond enums (its final seqs): it is decoded whole (once per sandbox drain)."""
         fields = self.codec.decode(rec.value).record if head.kind == "Drained" else head.enums
-        return InEvent.from_head(head.kind, head.header, fields, rec.value, rec.timestamp_ms)
+        return InEvent.from_head(head.kind, head.header, fields, rec.value,
+                                 self.silences.serving(rec.timestamp_ms))
 
     def handle_batch(self, records: list[InRecord]) -> list[OutRecord]:
         """Process several records (of this core's partition, in log order) for ONE
@@ -217,10 +229,16 @@ class ReorderProcessor(_Adapter):
                     conflicting=r.conflicting_with))
 
     def take_dirty(self) -> dict[str, bytes | None]:
-        return self.core.take_dirty()
+        dirty = self.core.take_dirty()
+        if self.silences.dirty:
+            dirty[SILENCES_KEY] = self.silences.pack()
+        return dirty
 
     def restore(self, key: str, blob: bytes | None) -> None:
-        self.core.restore(key, blob)
+        if key == SILENCES_KEY:
+            self.silences.unpack(blob)
+        else:
+            self.core.restore(key, blob)
 
 
 _RESERVED = OutRecord("", None, b"")
