@@ -23,7 +23,7 @@ from aiokafka.protocol.types import Array, Int16, Int32, Schema, String
 
 from trajbus.bus.kafka import (
     BrokerUnavailableError,
-    connection_options,
+    admin_client,
     retry_while_broker_restarts,
 )
 from trajbus.bus.producer import get_producer
@@ -83,9 +83,7 @@ async def ensure_topics(
 
 async def _ensure_topics_once(settings: Settings, specs: list[TopicSpec], answered: list[bool]
                               ) -> tuple[list[str], list[str]]:
-    admin = AIOKafkaAdminClient(
-        **connection_options(settings.kafka), client_id=f"{settings.kafka.client_id}-admin"
-    )
+    admin = admin_client(settings.kafka, "admin")
     try:
         await admin.start()
         answered.append(True)
@@ -228,9 +226,7 @@ async def leave_group_as_static_member(settings: Settings, group_id: str, instan
     does not know (never joined, or already expired) is not an error."""
     from aiokafka.errors import for_code
 
-    admin = AIOKafkaAdminClient(
-        **connection_options(settings.kafka), client_id=f"{settings.kafka.client_id}-admin"
-    )
+    admin = admin_client(settings.kafka, "admin")
     async with asyncio.timeout(timeout_s):
         await admin.start()
         try:

@@ -17,7 +17,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from trajbus.bus.closing import close_client
 from trajbus.bus.errors import NotFoundError, UserError, existing
-from trajbus.bus.kafka import connection_options
+from trajbus.bus.kafka import admin_client, connection_options
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
 
@@ -61,8 +61,7 @@ class GroupInfo:
 
 
 def _admin(settings: Settings, what: str) -> AIOKafkaAdminClient:
-    return AIOKafkaAdminClient(**connection_options(settings.kafka),
-                               client_id=f"{settings.kafka.client_id}-{what}")
+    return admin_client(settings.kafka, what)
 
 
 async def topic_names(settings: Settings) -> list[str]:
@@ -201,17 +200,38 @@ async def delete_debug_topics(settings: Settings, names: Sequence[str]) -> list[
     return wanted
 
 
+#: How long an operator tool waits for a group's coordinator that is moving to another node.
+COORDINATOR_PATIENCE_S = 30.0
+
+
 async def describe_group(settings: Settings, group: str) -> GroupInfo:
     """The consumer group's state and live members with their assigned partitions."""
     from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
+    from aiokafka.errors import (
+        CoordinatorLoadInProgressError,
+        CoordinatorNotAvailableError,
+        NotCoordinatorError,
+    )
 
     admin = _admin(settings, "inventory")
     await admin.start()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + COORDINATOR_PATIENCE_S
     try:
-        # one group per request: aiokafka misreads a multi-group DescribeGroups response
-        (resp,) = await admin.describe_consumer_groups([group])
+        while True:
+            try:
+                # one group per request: aiokafka misreads a multi-group DescribeGroups response
+                (resp,) = await admin.describe_consumer_groups([group])
+                break
+            except (CoordinatorNotAvailableError, NotCoordinatorError,
+                    CoordinatorLoadInProgressError):
+                # the group's coordinator is moving (its node died, a restart): it settles
+                # within the cluster's failover time
+                if loop.time() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
     finally:
-        await admin.close()
+        await close_client(admin)
     (g,) = resp.to_object()["groups"]
     members = []
     for m in g["members"]:
@@ -271,3 +291,67 @@ async def count_records(settings: Settings, ranges: dict[TopicPartition, tuple[i
     finally:
         await close_client(consumer, "offsets consumer")
     return out
+
+
+INTERNAL_TOPICS = ("__consumer_offsets", "__transaction_state")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterHealth:
+    """The cluster's brokers and the replication state of trajbus's topics (and Kafka's
+    internal ones, which hold the groups' offsets and the transactions)."""
+
+    brokers: tuple[int, ...]  # live (registered, unfenced) broker ids
+    partitions: int
+    under_replicated: tuple[str, ...]  # "topic:partition": fewer replicas in sync than placed
+    under_min_isr: tuple[str, ...]  # fewer in sync than min.insync.replicas: writes refused
+    offline: tuple[str, ...]  # no leader: neither read nor written
+
+    def as_dict(self) -> dict[str, object]:
+        return {"brokers": list(self.brokers), "partitions": self.partitions,
+                "under_replicated": list(self.under_replicated),
+                "under_min_isr": list(self.under_min_isr), "offline": list(self.offline)}
+
+
+async def cluster_health(settings: Settings) -> ClusterHealth:
+    """Live brokers, and the partitions of trajbus's topics (under the settings' prefix) and of
+    Kafka's internal topics that are under-replicated, under their min.insync.replicas, or
+    offline. On a healthy cluster the three lists are empty; while a node is down its
+    replicas are out of sync (under-replicated) until it is back and has caught up."""
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    admin = _admin(settings, "admin")
+    await admin.start()
+    try:
+        cluster = await admin.describe_cluster()
+        prefix = f"{settings.topics.prefix}."
+        names = sorted((t for t in await admin.list_topics()
+                        if t.startswith(prefix) or t in INTERNAL_TOPICS),
+                       key=lambda t: (t in INTERNAL_TOPICS, t))  # trajbus's own first
+        descs = await admin.describe_topics(names) if names else []
+        min_isr: dict[str, int] = {}
+        if names:
+            for resp in await admin.describe_configs(
+                    [ConfigResource(ConfigResourceType.TOPIC, t) for t in names]):
+                for _code, _msg, _type, topic, entries in resp.resources:
+                    for name, value, *_ in entries:
+                        if name == "min.insync.replicas":
+                            min_isr[topic] = int(value)
+    finally:
+        await close_client(admin)
+    total = 0
+    under, below, offline = [], [], []
+    for desc in descs:
+        topic = desc["topic"]
+        for p in desc["partitions"]:
+            total += 1
+            where = f"{topic}:{p['partition']}"
+            isr, replicas = p.get("isr") or [], p.get("replicas") or []
+            if p.get("leader", -1) < 0:
+                offline.append(where)
+            if len(isr) < len(replicas):
+                under.append(where)
+            if len(isr) < min_isr.get(topic, 1):
+                below.append(where)
+    return ClusterHealth(tuple(sorted(b["node_id"] for b in cluster.get("brokers", []))),
+                         total, tuple(under), tuple(below), tuple(offline))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import re
 import ssl
 import time
@@ -15,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaConnectionError, NodeNotReadyError, RequestTimedOutError
 
 from trajbus.bus.reconnect import install as install_reconnect_backoff
 from trajbus.bus.settings import KafkaSettings
@@ -60,9 +62,38 @@ def connection_options(k: KafkaSettings) -> dict[str, Any]:
     return opts
 
 
+class ClusterAdminClient(AIOKafkaAdminClient):
+    """aiokafka's admin client, for a cluster with a node down: a request that may go to any
+    node goes to one that is connected or answers, not to a random one of the metadata (a
+    dead node is in the metadata until the controller fences it, and then the request fails
+    with ``NodeNotReadyError`` one time in three on a 3-node cluster)."""
+
+    async def _send_request(self, request: Any, node_id: int | None = None) -> Any:
+        if node_id is not None:
+            return await super()._send_request(request, node_id)
+        nodes = [b.nodeId for b in self._client.cluster.brokers()]
+        random.shuffle(nodes)
+        last: Exception | None = None
+        for node in nodes or [self._client.get_random_node()]:
+            try:
+                if not await self._client.ready(node):
+                    continue
+                return await self._client.send(node, request)
+            except (KafkaConnectionError, NodeNotReadyError, RequestTimedOutError) as exc:
+                last = exc  # that node went away: the next one
+        if last is not None:
+            raise last
+        raise NodeNotReadyError("no node of the cluster is ready")
+
+
+def admin_client(k: KafkaSettings, what: str) -> ClusterAdminClient:
+    """An admin client (not started) with trajbus's connection options."""
+    return ClusterAdminClient(**connection_options(k), client_id=f"{k.client_id}-{what}")
+
+
 async def check_broker(k: KafkaSettings) -> list[str]:
     """Fail fast: connect once and list topics, or raise an error that says what to set."""
-    admin = AIOKafkaAdminClient(**connection_options(k), client_id=f"{k.client_id}-check")
+    admin = admin_client(k, "check")
     started = time.monotonic()
     try:
         await asyncio.wait_for(admin.start(), timeout=k.connect_timeout_s)

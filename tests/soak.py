@@ -36,9 +36,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster_faults import FAULTS, Fault
+
 from trajbus.bus.settings import ArchiveSettings, KafkaSettings, Settings, TopicSettings
 from trajbus.demo import isolated_run
 from trajbus.infra.broker import LocalBroker, free_port
+from trajbus.infra.cluster import LocalCluster
 from trajbus.pipeline_demo import Faults, run_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,11 +92,12 @@ def cpu_hogs(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
             p.wait(timeout=10)
 
 
-async def soak_run(settings: Settings, broker: LocalBroker, run: int, seed: int, *,
-                   sandboxes: int, episodes: int, work_root: Path, restart_mid_run: bool,
-                   rng: random.Random, outage_s: float = 0.0) -> RunResult:
-    """One checked pipeline run with a worker SIGKILL (and a broker restart mid-run, the
-    broker held down at least ``outage_s``)."""
+async def soak_run(settings: Settings, broker: LocalBroker | LocalCluster, run: int,
+                   seed: int, *, sandboxes: int, episodes: int, work_root: Path,
+                   restart_mid_run: bool, rng: random.Random, outage_s: float = 0.0,
+                   node_fault: Fault | None = None) -> RunResult:
+    """One checked pipeline run with a worker SIGKILL and a broker restart mid-run (the
+    broker held down at least ``outage_s``) or, on a cluster, ``node_fault``."""
     import io
     from contextlib import redirect_stdout
 
@@ -102,13 +106,18 @@ async def soak_run(settings: Settings, broker: LocalBroker, run: int, seed: int,
         time.sleep(outage_s)  # a worker thread: the pipeline's event loop runs on meanwhile
         broker.start(120)
 
-    async def restart_broker() -> None:
+    run_settings = isolated_run(settings, seed)
+
+    async def restart_broker() -> str | None:
+        if node_fault is not None:
+            assert isinstance(broker, LocalCluster)
+            return await node_fault(broker, run_settings, rng)
         await asyncio.to_thread(stop_wait_start)
+        return None
 
     faults = Faults(kill_worker_after_s=rng.uniform(1.0, 8.0),
                     restart_broker_after_s=rng.uniform(2.0, 10.0) if restart_mid_run else None,
                     restart_broker=restart_broker if restart_mid_run else None)
-    run_settings = isolated_run(settings, seed)
     out = io.StringIO()
     t0 = time.monotonic()
     try:
@@ -139,6 +148,14 @@ def main(argv: list[str] | None = None) -> int:
                          "(default 0: as long as a restart takes); longer than the 30 s drain "
                          "window makes the scheduler recycle draining sandboxes with loss, "
                          "which the check accepts only where the log shows it")
+    ap.add_argument("--nodes", type=int, default=1,
+                    help="run on a local cluster of this many nodes (3: production's shape, "
+                         "replication factor 3, min.insync.replicas 2); every run then gets a "
+                         "node fault (--fault) at a random moment instead of a broker restart")
+    ap.add_argument("--fault", default="random", choices=[*FAULTS, "cycle"],
+                    help="with --nodes: the node fault of every run (default random: SIGKILL a "
+                         "random node, start it 10 s later; cycle: each kind in turn; see "
+                         "tests/cluster_faults.py)")
     ap.add_argument("--seed", type=int, default=None,
                     help="first run's seed (default: from the clock; printed)")
     ap.add_argument("--work", type=Path, default=REPO / ".trajbus" / "soak",
@@ -153,40 +170,51 @@ async def _soak(args: argparse.Namespace) -> int:
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
     results_path = work / "results.jsonl"
-    broker = LocalBroker(data_dir=work / f"kafka-{seed0}", port=free_port(),
-                         controller_port=free_port())
+    cluster = args.nodes > 1
+    broker: LocalBroker | LocalCluster = (
+        LocalCluster(work / f"kafka-cluster-{seed0}", args.nodes, base_port=0) if cluster
+        else LocalBroker(data_dir=work / f"kafka-{seed0}", port=free_port(),
+                         controller_port=free_port()))
+    where = (f"a {args.nodes}-node cluster on {broker.bootstrap}, node fault {args.fault}"
+             if cluster else f"broker on {broker.bootstrap}")
     print(f"[soak] seed {seed0}: {args.runs} runs of {args.sandboxes} sandboxes x "
-          f"{args.episodes} episodes, {args.hogs} CPU hogs, broker on {broker.bootstrap}",
-          flush=True)
-    broker.start(timeout=120)
+          f"{args.episodes} episodes, {args.hogs} CPU hogs, {where}", flush=True)
+    broker.start(timeout=180)
     # the in-process clients (fleet, trainer, archiver) give a loaded broker 30 s, not 10 s
     settings = Settings(kafka=KafkaSettings(bootstrap_servers=broker.bootstrap,
                                             connect_timeout_s=30.0),
-                        topics=TopicSettings(prefix="soak"),
+                        topics=TopicSettings(prefix="soak",
+                                             replication_factor=min(args.nodes, 3)),
                         archive=ArchiveSettings(url=str(work / "archive"),
                                                 spool_dir=str(work / "spool")))
     results: list[RunResult] = []
     try:
         with cpu_hogs(args.hogs):
             for i in range(args.runs):
-                restart_mid_run = i % 2 == 0
+                restart_mid_run = cluster or i % 2 == 0
                 restarted_before = False
+                fault_name = (list(FAULTS)[i % len(FAULTS)] if args.fault == "cycle"
+                              else args.fault)
                 if i > 0 and not restart_mid_run:
                     await asyncio.to_thread(broker.restart, 120)
                     restarted_before = True
                 await broker_ready(settings)
                 seed = seed0 + i
                 print(f"[soak] run {i + 1}/{args.runs} (seed {seed}): worker SIGKILL mid-run"
-                      + (", broker restart mid-run" if restart_mid_run else "")
+                      + (f", node fault {fault_name} mid-run" if cluster
+                         else ", broker restart mid-run" if restart_mid_run else "")
                       + (", broker restarted before" if restarted_before else ""), flush=True)
                 res = await soak_run(settings, broker, i + 1, seed, sandboxes=args.sandboxes,
                                      episodes=args.episodes, work_root=work / "runs",
                                      restart_mid_run=restart_mid_run, rng=rng,
-                                     outage_s=args.outage_s)
+                                     outage_s=args.outage_s,
+                                     node_fault=FAULTS[fault_name] if cluster else None)
                 res.broker_restarted_before = restarted_before
                 results.append(res)
                 with results_path.open("a") as f:
                     f.write(json.dumps({**res.__dict__, "hogs": args.hogs,
+                                        "nodes": args.nodes,
+                                        "fault": fault_name if cluster else None,
                                         "outage_s": args.outage_s,
                                         "sandboxes": args.sandboxes,
                                         "episodes": args.episodes,
@@ -197,9 +225,11 @@ async def _soak(args: argparse.Namespace) -> int:
     finally:
         broker.stop(timeout=30)
     passed = sum(r.ok for r in results)
+    faults = (f"a node fault ({args.fault}) mid-run in every run on a {args.nodes}-node "
+              "cluster" if cluster else "broker restarted mid-run in runs 1, 3, ...; before "
+              "the run in runs 2, 4, ...")
     print(f"\n=== soak: {passed}/{len(results)} runs exact ({args.hogs} CPU hogs; worker "
-          f"SIGKILLed in every run; broker restarted mid-run in runs 1, 3, ...; before the "
-          f"run in runs 2, 4, ...) ===")
+          f"SIGKILLed in every run; {faults}) ===")
     for r in results:
         print(f"run {r.run:2d} seed {r.seed}: {'PASS' if r.ok else 'FAIL'} {r.seconds:6.1f}s  "
               + "; ".join(r.faults))

@@ -135,3 +135,43 @@ async def test_a_consumer_closes_cleanly_while_a_node_it_fetches_from_is_dead(
         assert time.monotonic() - started < 16
         assert not any(c.connected() for c in consumer._client._conns.values())
         await asyncio.to_thread(cluster.start_node, node)
+
+
+async def test_status_shows_a_dead_node_as_under_replicated_partitions(
+        restore_cluster: LocalCluster, unique_name: str) -> None:
+    """What an operator sees during a node failure: `trajbus status` names the live brokers
+    and the partitions under-replicated; once the node is back and caught up, none."""
+    from trajbus.bus.inventory import cluster_health
+
+    cluster = restore_cluster
+    settings = Settings(kafka=KafkaSettings(bootstrap_servers=cluster.bootstrap),
+                        topics=TopicSettings(prefix=unique_name, replication_factor=3))
+    topic = f"{unique_name}.data"
+    await ensure_topics(settings, [TopicSpec(topic, 3, "test", "key")])
+    healthy = await cluster_health(settings)
+    assert healthy.brokers == (1, 2, 3)
+    assert [p for p in healthy.under_replicated if p.startswith(topic)] == []
+    await asyncio.to_thread(cluster.kill_node, 2)
+    deadline = time.monotonic() + 60
+    while True:  # the controller fences the dead node after its session (4 s)
+        down = await cluster_health(settings)
+        if down.brokers == (1, 3):
+            break
+        assert time.monotonic() < deadline, down
+        await asyncio.sleep(0.5)
+    ours = [p for p in down.under_replicated if p.startswith(topic)]
+    assert sorted(ours) == [f"{topic}:{p}" for p in range(3)]  # RF 3: node 2 holds them all
+    assert down.offline == () and [p for p in down.under_min_isr if p.startswith(topic)] == []
+    env = {**os.environ, "TRAJBUS_KAFKA__BOOTSTRAP_SERVERS": cluster.bootstrap,
+           "TRAJBUS_TOPICS__PREFIX": unique_name}
+    proc = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "trajbus", "status"], capture_output=True,
+        text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "cluster: 2 live brokers (1, 3)" in proc.stdout
+    assert f"under-replicated (a replica is down or catching up): {topic}:0" in proc.stdout
+    await asyncio.to_thread(cluster.start_node, 2)
+    deadline = time.monotonic() + 90
+    while [p for p in (await cluster_health(settings)).under_replicated if p.startswith(topic)]:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.5)

@@ -80,7 +80,8 @@ class Faults:
 
     kill_worker_after_s: float | None = None  # SIGKILL the worker, then start it again
     restart_broker_after_s: float | None = None
-    restart_broker: Callable[[], Awaitable[None]] | None = None  # stops and restarts it
+    # stops and restarts it (or, on a cluster, injects a node fault); may say what it did
+    restart_broker: Callable[[], Awaitable[str | None]] | None = None
     log: list[str] = field(default_factory=list)  # what was injected, when
     # A worker (re)started while the broker is down exits at once by design (fail fast at
     # start-up); the run supervises it as a deployment would, restarting it after such an
@@ -251,9 +252,9 @@ async def _inject(settings: Settings, faults: Faults, workers: list[subprocess.P
         else:
             assert faults.restart_broker is not None
             began = time.monotonic()
-            await faults.restart_broker()
+            did = await faults.restart_broker()
             faults.longest_outage_s = max(faults.longest_outage_s, time.monotonic() - began)
-            faults.log.append(f"{began - t0:.1f}s: broker restarted (down "
+            faults.log.append(f"{began - t0:.1f}s: {did or 'broker restarted'} (took "
                               f"{time.monotonic() - began:.1f}s)")
         _say(faults.log[-1])
 

@@ -253,6 +253,7 @@ def _status(args: argparse.Namespace) -> int:
         return topic.removeprefix(prefix)
 
     print(f"kafka {st['bootstrap_servers']}, topics under {prefix}")
+    _print_cluster(st["cluster"])
     print("processors (lag: records not yet processed; transaction markers and the "
           "processors' Ticks not counted):")
     for name, g in st["processors"].items():
@@ -277,6 +278,23 @@ def _status(args: argparse.Namespace) -> int:
     for t, info in st["replay_topics"].items():
         print(f"  {short(t):<36} {info['records']} segments")
     return 0
+
+
+def _print_cluster(c: dict[str, Any]) -> None:
+    brokers = c["brokers"]
+    print(f"cluster: {len(brokers)} live broker{'s' if len(brokers) != 1 else ''} "
+          f"({', '.join(map(str, brokers))}); {c['partitions']} partitions of these topics and "
+          f"Kafka's internal ones: {len(c['under_replicated'])} under-replicated, "
+          f"{len(c['under_min_isr'])} under min.insync.replicas, {len(c['offline'])} offline")
+    for what, key, why in (
+            ("OFFLINE (no leader: neither read nor written)", "offline", ""),
+            ("UNDER MIN ISR (writes refused until a replica returns)", "under_min_isr", ""),
+            ("under-replicated (a replica is down or catching up)", "under_replicated", "")):
+        parts = c[key]
+        if parts:
+            shown = ", ".join(parts[:8]) + (f", ... (+{len(parts) - 8})" if len(parts) > 8
+                                            else "")
+            print(f"  {what}: {shown}{why}")
 
 
 def _scheduler_status(args: argparse.Namespace) -> int:

@@ -59,7 +59,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from trajbus.bus.closing import close_client
 from trajbus.bus.errors import NotFoundError, UserError, existing
-from trajbus.bus.kafka import check_broker, connection_options
+from trajbus.bus.kafka import admin_client, check_broker, connection_options
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics, episode_record_key
 from trajbus.consumers.engine.runner import InRecord, OutRecord
@@ -349,9 +349,8 @@ async def topic_partitions(settings: Settings, topics: Sequence[str] | None = No
 
 async def group_offsets(settings: Settings, group: str) -> dict[TopicPartition, int]:
     """The committed offsets of a consumer group ({} when it has none)."""
-    from aiokafka.admin import AIOKafkaAdminClient
 
-    admin = AIOKafkaAdminClient(**connection_options(settings.kafka))
+    admin = admin_client(settings.kafka, "admin")
     await admin.start()
     try:
         offsets = await _retrying(lambda: admin.list_consumer_group_offsets(group), group)
@@ -1084,10 +1083,11 @@ async def retained_records(settings: Settings, topics: Sequence[str]) -> dict[st
 
 
 async def fleet_status(settings: Settings) -> dict[str, Any]:
-    """For ``trajbus status``: per processor group, its live members (client id, host,
-    assigned partitions; none: no worker runs it) and its lag (records not yet processed,
-    transaction markers excluded) per input topic; dead letters retained; the replay topics
-    with their sizes."""
+    """For ``trajbus status``: the cluster's live brokers and the partitions under-replicated,
+    under min.insync.replicas or offline; per processor group, its live members (client id,
+    host, assigned partitions; none: no worker runs it) and its lag (records not yet
+    processed, transaction markers excluded) per input topic; dead letters retained; the
+    replay topics with their sizes."""
     from trajbus.bus.inventory import describe_group
     from trajbus.consumers.engine import processors
 
@@ -1115,8 +1115,11 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
     replay_prefix = f"{topics.prefix}.replay."
     replay = sorted(t for t in existing_topics if t.startswith(replay_prefix))
     counts = await retained_records(settings, [topics.deadletter, *replay])
+    from trajbus.bus.inventory import cluster_health
+
     return {
         "bootstrap_servers": settings.kafka.bootstrap_servers,
+        "cluster": (await cluster_health(settings)).as_dict(),
         "prefix": settings.topics.prefix,
         "processors": groups,
         "dead_letters": counts.get(topics.deadletter, 0),

@@ -87,7 +87,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from trajbus.bus import inventory
 from trajbus.bus.closing import close_client
-from trajbus.bus.kafka import check_broker, connection_options
+from trajbus.bus.kafka import admin_client, check_broker, connection_options
 from trajbus.bus.positions import StartPosition, parse_start, resolve_offsets
 from trajbus.bus.settings import Settings, get_settings
 from trajbus.bus.topics import Topics, validate_name
@@ -801,10 +801,9 @@ class ReplayClient:
 
     async def _load_committed(self) -> None:
         """The group's committed offsets with their metadata (acknowledged-beyond offsets)."""
-        from aiokafka.admin import AIOKafkaAdminClient
         from aiokafka.errors import KafkaError
 
-        admin = AIOKafkaAdminClient(**connection_options(self.settings.kafka))
+        admin = admin_client(self.settings.kafka, "admin")
         await admin.start()
         try:
             for attempt in range(60):  # the coordinator is briefly unavailable on a new cluster
