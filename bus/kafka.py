@@ -7,6 +7,7 @@ settings reach all of them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import re
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaConnectionError, NodeNotReadyError, RequestTimedOutError
 
+from trajbus.bus.closing import close_client
 from trajbus.bus.reconnect import install as install_reconnect_backoff
 from trajbus.bus.settings import KafkaSettings
 
@@ -34,12 +36,20 @@ class BrokerAuthenticationError(BrokerUnavailableError):
     handshake: an untrusted server certificate, a missing or refused client certificate)."""
 
 
+# bootstrap list -> the same hosts, those that answered the start-up check first (see
+# order_bootstrap): aiokafka bootstraps from the hosts in order, and a node that accepts
+# connections but answers nothing (paused, overloaded) holds each client's start for its
+# request timeout before the next host is tried
+_BOOTSTRAP_ORDER: dict[str, str] = {}
+_BOOTSTRAP_GRACE_S = 0.5
+
+
 def connection_options(k: KafkaSettings) -> dict[str, Any]:
     """Options common to aiokafka producers, consumers and admin clients. Building them also
     applies the reconnect backoff to the process's aiokafka clients (``bus/reconnect.py``)."""
     install_reconnect_backoff(k.reconnect_backoff_ms, k.reconnect_backoff_max_ms)
     opts: dict[str, Any] = {
-        "bootstrap_servers": k.bootstrap_servers,
+        "bootstrap_servers": _BOOTSTRAP_ORDER.get(k.bootstrap_servers, k.bootstrap_servers),
         "security_protocol": k.security_protocol,
         "request_timeout_ms": k.request_timeout_ms,
     }
@@ -62,6 +72,10 @@ def connection_options(k: KafkaSettings) -> dict[str, Any]:
     return opts
 
 
+#: How long an admin request waits for a connection to one node before it tries another.
+NODE_READY_TIMEOUT_S = 3.0
+
+
 class ClusterAdminClient(AIOKafkaAdminClient):
     """aiokafka's admin client, for a cluster with a node down: a request that may go to any
     node goes to one that is connected or answers, not to a random one of the metadata (a
@@ -73,13 +87,19 @@ class ClusterAdminClient(AIOKafkaAdminClient):
             return await super()._send_request(request, node_id)
         nodes = [b.nodeId for b in self._client.cluster.brokers()]
         random.shuffle(nodes)
+        conns = self._client._conns
+        # nodes already connected first: a new connection to a node that is frozen (SIGSTOP,
+        # a long GC pause) is accepted by its kernel and then answers nothing
+        nodes.sort(key=lambda n: not any(key[0] == n and conn.connected()
+                                         for key, conn in conns.items()))
         last: Exception | None = None
         for node in nodes or [self._client.get_random_node()]:
             try:
-                if not await self._client.ready(node):
+                if not await asyncio.wait_for(self._client.ready(node), NODE_READY_TIMEOUT_S):
                     continue
                 return await self._client.send(node, request)
-            except (KafkaConnectionError, NodeNotReadyError, RequestTimedOutError) as exc:
+            except (KafkaConnectionError, NodeNotReadyError, RequestTimedOutError,
+                    TimeoutError) as exc:
                 last = exc  # that node went away: the next one
         if last is not None:
             raise last
@@ -91,12 +111,69 @@ def admin_client(k: KafkaSettings, what: str) -> ClusterAdminClient:
     return ClusterAdminClient(**connection_options(k), client_id=f"{k.client_id}-{what}")
 
 
-async def check_broker(k: KafkaSettings) -> list[str]:
-    """Fail fast: connect once and list topics, or raise an error that says what to set."""
-    admin = admin_client(k, "check")
-    started = time.monotonic()
+async def order_bootstrap(k: KafkaSettings) -> list[str]:
+    """Of several bootstrap hosts, those that answer (each asked on its own, at once; the
+    first answer and those within 0.5 s after it), fastest first. The process's clients then
+    bootstrap from them first (``connection_options``). Returns [] if none answered within
+    ``connect_timeout_s``; one host is returned as is, unasked."""
+    hosts = [h.strip() for h in k.bootstrap_servers.split(",") if h.strip()]
+    if len(hosts) < 2:
+        return hosts
+
+    async def ask(host: str) -> str:
+        admin = ClusterAdminClient(**{**connection_options(k), "bootstrap_servers": host},
+                                   client_id=f"{k.client_id}-check")
+        try:
+            await admin.start()
+            return host
+        finally:
+            await close_client(admin, f"bootstrap check of {host}", timeout=2)
+
+    tasks = {asyncio.ensure_future(ask(h)): h for h in hosts}
+    answered: list[str] = []
+    deadline = time.monotonic() + k.connect_timeout_s
     try:
-        await asyncio.wait_for(admin.start(), timeout=k.connect_timeout_s)
+        pending = set(tasks)
+        while pending and time.monotonic() < deadline:
+            wait = (deadline - time.monotonic() if not answered
+                    else min(_BOOTSTRAP_GRACE_S, deadline - time.monotonic()))
+            done, pending = await asyncio.wait(pending, timeout=max(0.0, wait),
+                                               return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                break
+            answered += [tasks[t] for t in done if not t.cancelled() and t.exception() is None]
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if answered:
+        _BOOTSTRAP_ORDER[k.bootstrap_servers] = ",".join(
+            answered + [h for h in hosts if h not in answered])
+    return answered
+
+
+async def prefer_answering_hosts(k: KafkaSettings) -> None:
+    """Once per process and bootstrap list: :func:`order_bootstrap`, so the clients built
+    next bootstrap from hosts that answer. Never raises (the client's start says what is
+    wrong)."""
+    if "," in k.bootstrap_servers and k.bootstrap_servers not in _BOOTSTRAP_ORDER:
+        with contextlib.suppress(Exception):
+            await order_bootstrap(k)
+
+
+async def check_broker(k: KafkaSettings) -> list[str]:
+    """Fail fast: connect once and list topics, or raise an error that says what to set. With
+    several bootstrap hosts, those that answer go first for every later client of the process
+    (:func:`order_bootstrap`): one dead or paused node of a cluster is no reason to fail."""
+    started = time.monotonic()
+    if "," in k.bootstrap_servers:
+        with contextlib.suppress(Exception):  # the check below says what is wrong
+            await order_bootstrap(k)
+    admin = admin_client(k, "check")
+    budget = max(1.0, k.connect_timeout_s - (time.monotonic() - started))
+    try:
+        await asyncio.wait_for(admin.start(), timeout=budget)
         topics = await asyncio.wait_for(admin.list_topics(), timeout=k.connect_timeout_s)
     except Exception as exc:
         refused = await _sasl_refusal(k) if k.security_protocol.startswith("SASL") else None

@@ -19,7 +19,11 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import DefaultPartitioner, murmur2
 
 from trajbus.bus.closing import close_client
-from trajbus.bus.kafka import BrokerUnavailableError, connection_options
+from trajbus.bus.kafka import (
+    BrokerUnavailableError,
+    connection_options,
+    prefer_answering_hosts,
+)
 from trajbus.bus.settings import KafkaSettings, get_settings
 
 log = logging.getLogger(__name__)
@@ -113,6 +117,7 @@ async def get_producer(settings: KafkaSettings | None = None) -> AIOKafkaProduce
     async with _lock:
         if _producer is None:
             k = settings or get_settings().kafka
+            await prefer_answering_hosts(k)
             producer = AIOKafkaProducer(**producer_options(k))
             builds += 1
             try:
