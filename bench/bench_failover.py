@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -55,7 +56,6 @@ async def _leaders(bootstrap: str, topic: str) -> dict[int, int]:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from trajbus.bus.admin import ensure_base_topics
-    from trajbus.bus.closing import close_client
     from trajbus.bus.settings import KafkaSettings, Settings, TopicSettings
     from trajbus.bus.topics import Topics
     from trajbus.consumers.replay.client import ReplayClient
@@ -115,7 +115,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(per_round_s - 10 - 12)
             after = sorted(t for t, _ in receipts if t >= kill_ms - 1000)
             marks = [kill_ms, *[t for t in after if t >= kill_ms]]
-            stall = max((b - a for a, b in zip(marks, marks[1:], strict=False)), default=None)
+            stall = max((b - a for a, b in itertools.pairwise(marks)), default=None)
             post = [t for t, ev_t in receipts if ev_t >= kill_ms]
             rounds.append({"round": r + 1, "node": node,
                            "stall_ms": round(stall) if stall is not None else None,
@@ -136,7 +136,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 p.kill()
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
-        await close_client(None)
         cluster.stop()
     stalls = [r["stall_ms"] for r in rounds if r["stall_ms"] is not None]
     goal = SESSION_TIMEOUT_MS + 2000
