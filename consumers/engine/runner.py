@@ -35,7 +35,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -192,6 +192,32 @@ async def _give_up(task: asyncio.Future[Any]) -> None:
     task.cancel()
     task.add_done_callback(retrieve)
     await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
+
+
+#: How long one offset lookup may wait for a partition's leader before it is asked again with
+#: fresh metadata: aiokafka's own lookup waits out request_timeout_ms (30 s) when the leader it
+#: knows is shutting down or dead, so a restore during a rolling restart stalled 42 s.
+OFFSET_LOOKUP_TRY_S = 5.0
+
+
+async def _offsets_riding_out_failover(
+        lookup: Callable[[list[TopicPartition]], Awaitable[dict[TopicPartition, int]]],
+        tps: list[TopicPartition], consumer: AIOKafkaConsumer) -> dict[TopicPartition, int]:
+    """``lookup(tps)`` (a consumer's beginning/end offsets), tried again with fresh metadata
+    every ``OFFSET_LOOKUP_TRY_S`` while partition leaders move; a lookup still unanswered
+    after ``TOPIC_SETUP_PATIENCE_S`` raises :class:`KafkaTimeoutError`."""
+    deadline = time.monotonic() + TOPIC_SETUP_PATIENCE_S
+    while True:
+        try:
+            return await asyncio.wait_for(lookup(tps), OFFSET_LOOKUP_TRY_S)
+        except (TimeoutError, KafkaTimeoutError):
+            if time.monotonic() > deadline:
+                raise KafkaTimeoutError(
+                    f"offsets of {len(tps)} partitions not answered for "
+                    f"{TOPIC_SETUP_PATIENCE_S:.0f} s") from None
+            with contextlib.suppress(KafkaError, TimeoutError):
+                await asyncio.wait_for(consumer._client.force_metadata_update(),
+                                       OFFSET_LOOKUP_TRY_S)
 
 
 class RestoreInterrupted(KafkaConnectionError):
@@ -544,7 +570,7 @@ class Runner:
         try:
             tps = [TopicPartition(self.changelog, s) for s in slots]
             consumer.assign(tps)
-            begin = await consumer.beginning_offsets(tps)
+            begin = await _offsets_riding_out_failover(consumer.beginning_offsets, tps, consumer)
             for tp in tps:
                 consumer.seek(tp, begin[tp])
             # The latest value of each key, in the order of its last write: what a fully
