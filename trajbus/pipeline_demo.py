@@ -264,6 +264,11 @@ def _start_worker(settings: Settings, log_path: Path) -> subprocess.Popen[bytes]
     env["TRAJBUS_KAFKA__BOOTSTRAP_SERVERS"] = settings.kafka.bootstrap_servers
     env["TRAJBUS_TOPICS__PREFIX"] = settings.topics.prefix
     env["TRAJBUS_TOPICS__PARTITIONS"] = str(settings.topics.partitions)
+    # the worker creates topics too (replay, state changelogs, ticks): as replicated as the
+    # run's (an unreplicated changelog on a cluster stalled the worker until its node returned)
+    env["TRAJBUS_TOPICS__REPLICATION_FACTOR"] = str(settings.topics.replication_factor)
+    if settings.topics.min_insync_replicas is not None:
+        env["TRAJBUS_TOPICS__MIN_INSYNC_REPLICAS"] = str(settings.topics.min_insync_replicas)
     out = open(log_path, "ab")
     offset = out.seek(0, os.SEEK_END)
     proc = subprocess.Popen(
