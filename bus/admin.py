@@ -8,6 +8,7 @@ is harmless. ``register_schemas`` publishes every bundled writer schema to the c
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -30,6 +31,8 @@ from trajbus.bus.producer import get_producer
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics, TopicSpec
 from trajbus.schemas.registry import SchemaRegistry, default_registry
+
+log = logging.getLogger(__name__)
 
 # Topic-creation answers of a broker that is stopping, starting or between controllers: KRaft
 # fences a broker in controlled shutdown, and creation then fails with "All brokers are
@@ -68,7 +71,8 @@ async def ensure_topics(
     answered: list[bool] = []  # a broker that never answered fails as fast as check_broker
     try:
         return await retry_while_broker_restarts(
-            lambda: _ensure_topics_once(settings, specs, answered), transient=_TRANSIENT,
+            lambda: _ensure_topics_once(settings, specs, answered, known_broker),
+            transient=_TRANSIENT,
             patience_s=lambda: (patience_s if answered or known_broker
                                 else settings.kafka.connect_timeout_s),
             what="topic set-up")
@@ -81,7 +85,8 @@ async def ensure_topics(
             "restarting this process) retries.") from exc
 
 
-async def _ensure_topics_once(settings: Settings, specs: list[TopicSpec], answered: list[bool]
+async def _ensure_topics_once(settings: Settings, specs: list[TopicSpec], answered: list[bool],
+                              known_broker: bool = False
                               ) -> tuple[list[str], list[str]]:
     admin = admin_client(settings.kafka, "admin")
     try:
@@ -92,7 +97,14 @@ async def _ensure_topics_once(settings: Settings, specs: list[TopicSpec], answer
         created: list[str] = []
         rf = settings.topics.replication_factor
         if missing:
-            await _check_replication_factor(admin, settings)
+            try:
+                await _check_replication_factor(admin, settings)
+            except ReplicationFactorError as exc:
+                if not known_broker:
+                    raise  # at start-up: a set-up mistake, or the cluster is short of nodes
+                # a running worker, a node down (or fenced in a restart): Kafka could not place
+                # the replicas either; wait for it, as for any broker restart
+                raise _TransientCreateError(str(exc)) from exc
         for spec in missing:
             configs = spec.kafka_configs()
             configs.setdefault("min.insync.replicas",
@@ -130,10 +142,13 @@ async def _check_replication_factor(admin: AIOKafkaAdminClient, settings: Settin
     """Fail at once, saying what to set, when the cluster has fewer live brokers than the
     replication factor asked for (Kafka would refuse each topic with a bare error 38)."""
     rf = settings.topics.replication_factor
-    if rf <= 1:
-        return
     cluster = await admin.describe_cluster()
     brokers = len(cluster.get("brokers", []) or [])
+    if rf == 1 and brokers >= 3:
+        log.warning("creating topics with one replica on a cluster of %d brokers: a node's "
+                    "death stops them until it is back. Set "
+                    "TRAJBUS_TOPICS__REPLICATION_FACTOR=3 (README: 'On a replicated cluster')",
+                    brokers)
     if brokers and brokers < rf:
         raise ReplicationFactorError(
             f"TRAJBUS_TOPICS__REPLICATION_FACTOR={rf}, but the Kafka cluster at "

@@ -204,3 +204,12 @@ async def test_start_up_with_the_first_bootstrap_node_dead_or_frozen(
     await asyncio.wait_for(consumer.start(), 20)
     assert time.monotonic() - started < 8
     await close_client(consumer, timeout=5)
+
+
+async def test_unreplicated_topics_on_a_cluster_are_warned_about(
+        kafka_cluster: LocalCluster, unique_name: str, caplog: pytest.LogCaptureFixture) -> None:
+    settings = Settings(kafka=KafkaSettings(bootstrap_servers=kafka_cluster.bootstrap),
+                        topics=TopicSettings(prefix=unique_name))  # RF 1, the default
+    with caplog.at_level("WARNING", logger="trajbus.bus.admin"):
+        await ensure_topics(settings, [TopicSpec(f"{unique_name}.rf1", 1, "test", "key")])
+    assert "TRAJBUS_TOPICS__REPLICATION_FACTOR=3" in caplog.text
