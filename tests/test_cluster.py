@@ -213,3 +213,37 @@ async def test_unreplicated_topics_on_a_cluster_are_warned_about(
     with caplog.at_level("WARNING", logger="trajbus.bus.admin"):
         await ensure_topics(settings, [TopicSpec(f"{unique_name}.rf1", 1, "test", "key")])
     assert "TRAJBUS_TOPICS__REPLICATION_FACTOR=3" in caplog.text
+
+
+async def test_a_trainer_closes_while_its_group_coordinator_is_dead(
+        restore_cluster: LocalCluster, unique_name: str) -> None:
+    """The trainer's close() with a node down (issue 36, item 3): the last commit may fail
+    (logged: the partitions' next reader gets those segments again), but close() returns
+    within a bound and raises nothing -- before the guard, aiokafka#647 ended it in a
+    CancelledError."""
+    from cluster_faults import coordinator
+    from replay_support import publish_replay
+    from support import make_episodes
+
+    from trajbus.consumers.replay.client import ReplayClient
+
+    cluster = restore_cluster
+    settings = Settings(kafka=KafkaSettings(bootstrap_servers=cluster.bootstrap,
+                                            connect_timeout_s=10),
+                        topics=TopicSettings(prefix=unique_name, replication_factor=3,
+                                             partitions=3))
+    await publish_replay(settings, "task-a", make_episodes(6, 36))
+    group = f"{unique_name}-trainer"
+    client = ReplayClient(["task-a"], group, settings, start="earliest")
+    await client.start()
+    got = 0
+    async for ep in client.episodes():
+        await client.ack(ep)
+        got += 1
+        if got == 3:
+            break
+    node = await coordinator(settings, group, 0)
+    await asyncio.to_thread(cluster.kill_node, node)
+    started = time.monotonic()
+    await client.stop()
+    assert time.monotonic() - started < 45
