@@ -104,14 +104,18 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"run": i + 1, "seed": seed + i, "ok": ok, "rc": demo.returncode,
                             "noise": noisy, "chaos": log,
                             "seconds": round(time.monotonic() - t0, 1),
-                            "tail": "" if ok else out[-4000:]})
+                            # the summary (stdout) says which check failed; stderr the rest
+                            "summary": "" if ok else demo.stdout[-6000:],
+                            "stderr_tail": "" if ok else demo.stderr[-3000:]})
             with (work / "drill.jsonl").open("a") as f:
                 f.write(json.dumps(results[-1]) + "\n")
             print(f"[drill] run {i + 1}/{args.runs}: {'PASS' if ok else 'FAIL'} "
                   f"rc {demo.returncode} {results[-1]['seconds']}s; {'; '.join(log)}"
                   + (f"; noise {noisy}" if noisy else ""), flush=True)
             if not ok:
-                print(out[-4000:], flush=True)
+                problems = demo.stdout[demo.stdout.find("PROBLEMS"):] if "PROBLEMS" in \
+                    demo.stdout else demo.stdout[-3000:]
+                print(problems[:4000], demo.stderr[-1500:], flush=True)
     finally:
         _trajbus(work, "kafka", "down")
     passed = sum(r["ok"] for r in results)
