@@ -207,3 +207,33 @@ async def test_a_stop_while_a_restart_waits_for_the_broker_ends_it_at_once() -> 
     await asyncio.wait_for(running, timeout=5)
     assert time.monotonic() - stopped_at < 2
     assert not runner.started and runner._consumer is None
+
+
+class _NoBrokerAtStartRunnerToo(_FakeRunner):
+    """A second processor whose start-up check fails the same way, a moment later."""
+
+    async def go(self) -> None:
+        await asyncio.sleep(0.2)
+        raise BrokerUnavailableError("Kafka at 127.0.0.1:1 did not answer within 10s")
+
+
+def test_processors_failing_together_leave_no_unretrieved_task_exception() -> None:
+    """The cluster soak's worker started while Kafka did not answer: every processor failed
+    its start-up check, the worker raised the first failure, and asyncio printed "Task
+    exception was never retrieved" (with a traceback) for the others at exit."""
+    import gc
+
+    seen: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: seen.append(ctx))
+        worker = _worker_of(_NoBrokerAtStartRunner, _NoBrokerAtStartRunnerToo)
+        with pytest.raises(BrokerUnavailableError):
+            await asyncio.wait_for(worker.run(), timeout=10)
+        await asyncio.sleep(0.5)  # the second failure lands
+        del worker
+        gc.collect()  # a task's unretrieved exception is reported when it is collected
+
+    asyncio.run(main())
+    gc.collect()
+    assert [c.get("message") for c in seen] == []
