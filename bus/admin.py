@@ -49,6 +49,10 @@ class _TransientCreateError(RuntimeError):
     pass
 
 
+class _ShortOfBrokers(_TransientCreateError):
+    """Fewer live brokers than the replication factor (retried; see ensure_topics)."""
+
+
 _TRANSIENT = (TimeoutError, _TransientCreateError, KafkaConnectionError, KafkaTimeoutError,
               NodeNotReadyError, RequestTimedOutError)
 
@@ -63,8 +67,10 @@ async def ensure_topics(
     ``patience_s``; then :class:`BrokerUnavailableError` says so. A broker that never answered
     this call fails as fast as the start-up check (``connect_timeout_s``), unless the caller
     has seen it answer before (``known_broker``: a running worker creating an output topic
-    during a broker restart). A refusal that is not transient (for example a replication
-    factor the cluster cannot meet) raises at once."""
+    during a broker restart). A refusal that is not transient raises at once. A replication
+    factor above the cluster's live brokers is waited for as well (a node of the cluster may
+    be down or restarting: Kafka cannot place the replicas until it is back), each try logged
+    with what to set; after ``patience_s`` :class:`ReplicationFactorError` says so."""
     specs = list(specs)
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -76,6 +82,8 @@ async def ensure_topics(
             patience_s=lambda: (patience_s if answered or known_broker
                                 else settings.kafka.connect_timeout_s),
             what="topic set-up")
+    except _ShortOfBrokers as exc:
+        raise ReplicationFactorError(str(exc)) from exc
     except _TRANSIENT as exc:
         raise BrokerUnavailableError(
             f"Kafka at {settings.kafka.bootstrap_servers} did not answer topic set-up for "
@@ -100,11 +108,9 @@ async def _ensure_topics_once(settings: Settings, specs: list[TopicSpec], answer
             try:
                 await _check_replication_factor(admin, settings)
             except ReplicationFactorError as exc:
-                if not known_broker:
-                    raise  # at start-up: a set-up mistake, or the cluster is short of nodes
-                # a running worker, a node down (or fenced in a restart): Kafka could not place
-                # the replicas either; wait for it, as for any broker restart
-                raise _TransientCreateError(str(exc)) from exc
+                # a set-up mistake, or a node of the cluster down or fenced in a restart: from
+                # here the two look the same, and Kafka could not place the replicas either
+                raise _ShortOfBrokers(str(exc)) from exc
         for spec in missing:
             configs = spec.kafka_configs()
             configs.setdefault("min.insync.replicas",

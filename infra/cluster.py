@@ -194,6 +194,16 @@ class LocalCluster:
                                   f"{self.data_dir}/node-*/logs/server.log)")
             time.sleep(0.2)
 
+    def wait_brokers_at_most(self, count: int, timeout: float = 60.0) -> None:
+        """Wait until the cluster reports at most ``count`` live brokers (a killed node
+        fenced: after the brokers' session timeout)."""
+        deadline = time.monotonic() + timeout
+        while (live := self.live_brokers()) > count:
+            if time.monotonic() >= deadline:
+                raise BrokerError(f"the cluster at {self.bootstrap} still reports {live} live "
+                                  f"brokers after {timeout:.0f} s (expected {count} or fewer)")
+            time.sleep(0.2)
+
     def stop(self, timeout: float = 30.0) -> None:
         """Controlled shutdown of every node (SIGTERM to all; SIGKILL after ``timeout``)."""
         import signal
@@ -209,6 +219,13 @@ class LocalCluster:
         for b, pid in pids:
             if pid is not None:
                 b._terminate(pid, timeout)
+            b.pid_file.unlink(missing_ok=True)
+
+    def kill(self) -> None:
+        """SIGKILL every node (a test's teardown: fast, no controlled shutdown)."""
+        for b in self.brokers:
+            b.resume()
+            b.kill()
             b.pid_file.unlink(missing_ok=True)
 
     # drills ----------------------------------------------------------------------------------

@@ -247,3 +247,26 @@ async def test_a_trainer_closes_while_its_group_coordinator_is_dead(
     started = time.monotonic()
     await client.stop()
     assert time.monotonic() - started < 45
+
+
+async def test_a_topic_created_while_a_node_is_down_waits_for_it(
+        restore_cluster: LocalCluster, unique_name: str) -> None:
+    """The cluster drill's run 6 (2026-12-05): the worker, started while a node was down,
+    stopped at once on 'only 2 live brokers for replication factor 3' when creating its
+    state topic, and the demo's trainer got nothing. Kafka cannot place 3 replicas on 2
+    brokers, so the creation waits for the node, then succeeds."""
+    cluster = restore_cluster
+    settings = Settings(kafka=KafkaSettings(bootstrap_servers=cluster.bootstrap),
+                        topics=TopicSettings(prefix=unique_name, replication_factor=3))
+    await asyncio.to_thread(cluster.kill_node, 3)
+    await asyncio.to_thread(cluster.wait_brokers_at_most, 2, 60)
+
+    async def node_back_later() -> None:
+        await asyncio.sleep(5)
+        await asyncio.to_thread(cluster.start_node, 3)
+
+    back = asyncio.create_task(node_back_later())
+    created, _ = await asyncio.wait_for(
+        ensure_topics(settings, [TopicSpec(f"{unique_name}.late", 3, "test", "key")]), 120)
+    await back
+    assert created == [f"{unique_name}.late"]

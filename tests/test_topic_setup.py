@@ -55,12 +55,18 @@ async def test_topic_creation_waits_out_a_broker_that_is_fenced_while_restarting
 
 @pytest.mark.kafka
 @pytest.mark.timeout(60)
-async def test_a_refusal_that_is_not_transient_fails_at_once(kafka_broker, unique_name) -> None:
+async def test_a_replication_factor_the_cluster_cannot_meet_says_what_to_set(
+        kafka_broker, unique_name, caplog) -> None:
+    """Waited for (a node of a cluster may be down: it looks the same), each try logged with
+    what to set, then ReplicationFactorError -- not Kafka's bare "error 38"."""
     settings = Settings(kafka=KafkaSettings(bootstrap_servers=kafka_broker.bootstrap),
                         topics=TopicSettings(prefix=unique_name, replication_factor=3))
     started = time.monotonic()
-    with pytest.raises(ReplicationFactorError) as info:
-        await ensure_topics(settings, [TopicSpec(f"{unique_name}.rf3", 1, "test", "key")])
+    with caplog.at_level("WARNING", logger="trajbus.kafka"), \
+            pytest.raises(ReplicationFactorError) as info:
+        await ensure_topics(settings, [TopicSpec(f"{unique_name}.rf3", 1, "test", "key")],
+                            patience_s=3)
+    assert "TRAJBUS_TOPICS__REPLICATION_FACTOR=1 or less" in caplog.text  # said at once
     assert not isinstance(info.value, BrokerUnavailableError)
     # it says what to set, not Kafka's bare "error 38"
     assert "TRAJBUS_TOPICS__REPLICATION_FACTOR=3" in str(info.value)
