@@ -181,7 +181,10 @@ def _node_command(action: str) -> Callable[[argparse.Namespace], int]:
             return 2
         cluster = _cluster(args)
         try:
-            getattr(cluster, f"{action}_node")(args.node)
+            if action == "start":
+                cluster.start_node(args.node, timeout=args.wait)
+            else:
+                getattr(cluster, f"{action}_node")(args.node)
         except (BrokerError, ValueError, KafkaSetupError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -288,6 +291,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                               "started by `trajbus kafka up --nodes N` (or its --data-dir).")
         node.add_argument("node", type=int, help="the node's number, 1..N (its node.id)")
         _add_data_dir(node)
+        if action == "start":
+            node.add_argument("--wait", type=float, default=120.0, metavar="SECONDS",
+                              help="how long to wait for the node to be registered again "
+                              "(default: 120)")
         node.set_defaults(func=_node_command(action))
 
     jars = sub.add_parser(
