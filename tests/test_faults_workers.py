@@ -8,6 +8,7 @@ restart, no event id twice) and a rebalance between two reorder workers when one
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from pathlib import Path
@@ -113,6 +114,45 @@ async def test_watchdog_killed_mid_loop_emits_exactly_one_loop_alert(
     raw = _alerts([r.value for r in await read_all(settings, [topics.alerts],
                                                    read_committed=False) if r.value])
     assert raw["LOOP"] >= 1
+
+
+async def test_watchdog_restarted_between_a_loops_segments_of_a_lagging_sandbox_catches_it(
+        kafka_broker, unique_name, tmp_path: Path) -> None:
+    """Issue 37: a sandbox whose clock is 3 hours behind the broker loops (25 identical calls,
+    10 s apart on its clock); the watchdog is SIGKILLed after the first 12 and restarted for
+    the rest. Exactly one LOOP, as in an undisturbed run. Before, every tick (the worker's
+    wall clock) found the stream idle for 3 hours and evicted it: the count started over
+    after the restart (13 calls, under the 20 of the rule) and the loop was never caught."""
+    settings = settings_for(kafka_broker.bootstrap, unique_name)
+    await ensure_base_topics(settings, ["task-a"])
+    topics = Topics(settings)
+    replay = topics.replay("task-a")
+    evs = _loop_episode(25, int(time.time() * 1000) - 3 * 3_600_000)
+    items = [("sb-loop", v) for v in evs]
+    reorder = Worker(settings, "reorder", "wr", log_path=tmp_path / "reorder.log").start()
+
+    def watchdog() -> Worker:
+        return Worker(settings, "watchdog", "ww", log_path=tmp_path / "watchdog.log").start()
+
+    async def settled() -> None:
+        await wait_caught_up(settings, f"{unique_name}.reorder", topics.input_topics)
+        await wait_caught_up(settings, f"{unique_name}.watchdog", [replay])
+
+    wd = watchdog()
+    try:
+        await produce(settings, topics.sandbox_events, items[:25])  # start + 12 calls
+        await settled()
+        await asyncio.sleep(2)  # a few ticks (every 0.5 s) between the loop's segments
+        wd.kill()
+        await produce(settings, topics.sandbox_events, items[25:])
+        wd = watchdog()
+        await settled()
+        assert wd.proc is not None and wd.proc.poll() is None
+    finally:
+        wd.stop()
+        reorder.stop()
+    alerts = _alerts([r.value for r in await read_all(settings, [topics.alerts]) if r.value])
+    assert alerts == Counter({"LOOP": 1, "LOOP_ENDED": 1}), alerts
 
 
 async def test_scheduler_killed_and_restarted_continues_without_duplicate_decisions(

@@ -497,10 +497,12 @@ class WatchdogProcessor(_Adapter):
         decoded = self.decode(rec, outs)
         if decoded is None:
             return outs
-        if decoded.kind == "Tick":
-            return self.tick(decoded.header["event_time_ms"])
         if decoded.kind != "ReplaySegment":
-            return outs
+            return outs  # Ticks too: see tick()
+        # The record's partition is the log that times its streams (the core's "Time"): its
+        # timers due by this record's log time fire first, then its events count from it.
+        self._convert(self.core.advance(f"{rec.topic}:{rec.partition}", rec.timestamp_ms),
+                      outs, None, {})
         for raw in decoded.record["events"]:
             try:
                 event = self.codec.decode(raw)
@@ -511,9 +513,14 @@ class WatchdogProcessor(_Adapter):
         return outs
 
     def tick(self, now_ms: int) -> list[OutRecord]:
-        outs: list[OutRecord] = []
-        self._convert(self.core.tick(now_ms), outs, None, {})
-        return outs
+        """Nothing: the watchdog judges no timer by a tick. A tick (the runner's wall clock, read
+        from its own topic in whatever order the consumer interleaves it with the replay
+        partitions) can run ahead of a partition read behind it, or hours ahead of or behind a
+        sandbox's clock; judged by it, a tick read between an episode's segments evicted the
+        stream as idle and its loop count started over (RELIABILITY.md, finding AF). The
+        timers run on each replay partition's own log time instead (``WatchdogCore.advance``),
+        so the decisions depend on the log alone: replays and restarts decide the same."""
+        return []
 
     def _convert(self, results: list[Any], outs: list[OutRecord], rec: InRecord | None,
                  header: dict[str, Any]) -> None:

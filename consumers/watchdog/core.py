@@ -1,16 +1,51 @@
 """Watchdog core: catch looping agents in the tool-call stream, leave progressing agents alone.
 
-A pure, deterministic core (no clock, no I/O, no randomness). The Kafka shell feeds it decoded
-event dicts with :meth:`WatchdogCore.handle` and time with :meth:`WatchdogCore.tick` (or
-``Tick`` events through ``handle``), and persists :meth:`WatchdogCore.take_dirty` to a
-changelog. The same input sequence always yields the same outputs, byte for byte, including
-event ids (uuid5 of the evidence).
+A pure, deterministic core (no clock, no I/O, no randomness). The Kafka shell feeds it, per
+replay record, :meth:`WatchdogCore.advance` (the record's partition and log time) and then the
+decoded events it carries with :meth:`WatchdogCore.handle`, and persists
+:meth:`WatchdogCore.take_dirty` to a changelog. The same input sequence always yields the same
+outputs, byte for byte, including event ids (uuid5 of the evidence).
+
+Time -- what judges what
+    Two clocks, never compared with each other:
+
+    - *Event time* (``header.event_time_ms``, the sandbox's own clock, which may lag or lead
+      the broker by hours) judges only the loop rule's span: the time between two events of
+      the same stream, both on the same sandbox's clock.
+    - *Log time* judges every timer: the STALL alert, idle eviction, and so the end of a loop
+      by eviction. Each stream belongs to one *log* (the Kafka adapter: the replay topic and
+      partition that carry it) and remembers when it was last seen there: ``max(the log's
+      clock, the log time of the record that carried its latest event)``. A log's clock is the
+      latest record timestamp read from that log (:meth:`~WatchdogCore.advance`), so it never
+      runs ahead of what has been read of that log; the timers of a log's streams run when its
+      clock moves, before the record's events are applied.
+
+    So a decision depends only on each replay partition's records in offset order: not on
+    where the runner's ticks fall, not on how the consumer interleaves partitions, not on a
+    restart (a restored stream keeps its log time; a log's clock is rebuilt from its next
+    record, and any timer due by the committed records had fired before the commit), nor on
+    a sandbox's clock. The runner's wall-clock ticks judge nothing: read from their own topic,
+    one landed between an episode's segments after a restart (the tick topic read ahead of the
+    replay backlog), or at every tick for a sandbox whose clock lagged the broker by more than
+    the idle timeout, and evicted the stream as idle -- the loop count started over and the
+    planted loop was missed, while `replay explain` and `watchdog explain --from-log` found it
+    (RELIABILITY.md, finding AF; tests/test_watchdog_log_time.py).
+
+    What log time cannot hide: an outage of the pipeline appears in the log as a gap of its
+    length, so a stream silent for a threshold minus the outage may be judged differently
+    than without the outage (reproducibly: the gap is in the log). And a log with no new
+    record has a stopped clock: a STALL (or an eviction) in a replay partition that carries
+    no other traffic is reported only when its next record is read.
+
+    :meth:`~WatchdogCore.tick` advances every log's clock to a time: for callers whose only
+    log is the events themselves (tests, offline tools: events fed without
+    :meth:`~WatchdogCore.advance` are timed by their event time in log ``""``).
 
 Streams
     State is kept per *stream* = (sandbox, episode); key :func:`state_key`. A stream starts with
     its first ToolCall, ToolResult or EpisodeStart and is dropped on EpisodeEnd, on
     SandboxLifecycle DRAINING/RECYCLED (all episodes of the sandbox), or when idle for
-    ``evict_idle_ms`` (in :meth:`~WatchdogCore.tick`). Episode events whose ``seq`` is not above
+    ``evict_idle_ms`` of its log's time (see "Time"). Episode events whose ``seq`` is not above
     the stream's last seen ``seq`` are duplicates (redelivery after a restart) and are ignored.
 
 Call identity
@@ -52,20 +87,26 @@ Loop rule (per stream, thresholds per task)
       ``dry_run``). While it is active nothing else fires for the stream. The loop ends -- one
       LOOP_ENDED alert -- when its window breaks (a different call), when a result changes
       beyond the allowance, or when tracking ends (episode end, draining/recycled, idle
-      eviction). A later, new loop (new window) alerts again.
+      eviction; an eviction's LOOP_ENDED is stamped with the stream's last event time). A
+      later, new loop (new window) alerts again.
     - Results are matched to calls by ``call_id`` among the last ``max_cycle_length + 1``
       calls; a result for an older call is not loop evidence (it only closes the open call).
 
 Stall rule
     A stream with an open call (a ToolCall without its ToolResult) and no episode event for
-    ``stall_after_ms`` as of ``tick(now_ms)`` gets one STALL alert (never a decision). The next
-    event of the stream re-arms it. Open calls older than the last ``max_cycle_length + 1`` calls
-    are tracked as a counter (a ToolResult with an unknown ``call_id`` decrements it).
+    ``stall_after_ms`` of its log's time gets one STALL alert (never a decision), stamped with
+    that log time; if the clock passes the idle eviction at the same moment, the STALL comes
+    first. The next event of the stream re-arms it. Open calls older than the last
+    ``max_cycle_length + 1`` calls are tracked as a counter (a ToolResult with an unknown
+    ``call_id`` decrements it).
 
 Bounded state
     Per stream: a ring of the last ``max_cycle_length + 1`` calls and one 5-int window per
     cycle length, whatever the history length. Serialized (``take_dirty``) it is a compact JSON
-    list (~0.5-1 KiB with 3 open calls).
+    list (~0.5-1 KiB with 3 open calls; version 2 adds its log and log time; version 1 still
+    loads, its log then unknown: no timer judges it until its next event). Per log: its clock
+    and when its next timer is due at the earliest (a lower bound: a log's streams are scanned
+    only once its clock reaches it).
 
 Invalid input never raises: :meth:`~WatchdogCore.handle` returns a :class:`DeadLetterOut`.
 """
@@ -98,7 +139,7 @@ __all__ = [
 
 #: uuid5 namespace of every watchdog output event id.
 EVENT_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://trajbus/watchdog")
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: + the stream's log time and log (v1 blobs still load)
 
 # ring slot layout (per remembered call)
 _R_TOOL, _R_AFP, _R_SEQ, _R_TIME, _R_RFP, _R_CID = range(6)
@@ -342,8 +383,8 @@ class _Stream:
     """Per (sandbox, episode) state. Constant size: ring of M calls + M windows."""
 
     __slots__ = (
-        "episode", "key", "last_seq", "last_time", "loop_len", "n", "open_old", "ring",
-        "rules", "sandbox", "sb_next", "stalled", "task", "win",
+        "domain", "episode", "key", "last_log", "last_seq", "last_time", "loop_len", "n",
+        "open_old", "ring", "rules", "sandbox", "sb_next", "stalled", "task", "win",
     )
 
     def __init__(self, key: str, task: str, sandbox: str, episode: str | None,
@@ -354,7 +395,12 @@ class _Stream:
         self.episode = episode
         self.rules = rules
         self.last_seq = -1
-        self.last_time = 0
+        self.last_time = 0  # latest event time (the sandbox's clock): the loop rule's span
+        # The log that carries the stream (see "Time" in the module docstring) and the latest
+        # log time at which one of its events was read; -1: not known yet (a stream restored
+        # from a version-1 state: judged by no timer until its next event).
+        self.domain = ""
+        self.last_log = -1
         self.n = 0  # calls seen
         self.loop_len = 0  # cycle length of the active (alerted) loop, 0 = none
         self.stalled = False
@@ -378,7 +424,8 @@ class WatchdogCore:
     ``settings``: global thresholds (default ``WatchdogSettings()``); ``per_task``: task name ->
     overrides keyed like :class:`~trajbus.bus.settings.WatchdogSettings` fields (unknown keys
     raise ``ValueError`` here, at construction). ``trust_canonical``: see "Call identity".
-    ``evict_idle_ms``: drop streams without any event for this long (None: never).
+    ``evict_idle_ms``: drop streams without any event for this long of their log's time
+    (None: never; see "Time" in the module docstring).
     """
 
     def __init__(
@@ -400,6 +447,14 @@ class WatchdogCore:
         self._by_sandbox: dict[str, _Stream] = {}
         self._dirty: set[str] = set()
         self._tools: dict[str, str] = {}
+        # time (see "Time" in the module docstring): the log the next events are read from
+        # and its record's log time (None: the events' own time, for callers without a log)
+        self._domain = ""
+        self._log_ms: int | None = None
+        self._floor = -1  # that log's clock (-1: none yet): no event is timed before it
+        self._clock: dict[str, int] = {}  # log -> latest log time read from it
+        self._due: dict[str, int] = {}  # log -> no timer of its streams is due before this
+        self._in_domain: dict[str, dict[str, _Stream]] = {}  # log -> its streams by key
 
     # -- public API ---------------------------------------------------------------------------
     def rules_for(self, task: str) -> LoopRules:
@@ -439,24 +494,80 @@ class WatchdogCore:
         except Exception as exc:  # a bug must not take the worker down
             return [self._dead(kind, record, "internal_error", f"{type(exc).__name__}: {exc}")]
 
-    def tick(self, now_ms: int) -> list[Output]:
-        """Advance time: STALL alerts for streams with an open call and no event for their
-        ``stall_after_ms``; idle eviction. Outputs are ordered by state key."""
-        found: list[tuple[str, list[Output]]] = []
-        evict = self.evict_idle_ms
-        for st in list(self._streams.values()):
-            idle = now_ms - st.last_time
-            if evict is not None and idle >= evict:
-                found.append((st.key, self._end_stream(
-                    st, st.last_seq, now_ms, "", f"tracking ended: idle for {idle} ms")))
-                continue
-            if st.stalled or idle < st.rules.stall_after_ms or not self._open_calls(st):
-                continue
-            st.stalled = True
-            self._dirty.add(st.key)
-            found.append((st.key, [self._stall_alert(st, now_ms, idle)]))
+    def advance(self, log: str, log_ms: int) -> list[Output]:
+        """A record of ``log`` written at ``log_ms`` (its Kafka timestamp) was read: that log's
+        clock moves to it, and the timers of the streams it carries that are due by then fire
+        (STALL, idle eviction; ordered by state key). The events :meth:`handle` gets next were
+        carried by that record: they are timed by ``log_ms`` and belong to ``log``. The Kafka
+        adapter calls this once per record, ``log`` = its topic and partition."""
+        self._domain = log
+        self._log_ms = log_ms if log_ms >= 0 else None
+        clock = self._clock.get(log)
+        if log_ms >= 0 and (clock is None or log_ms > clock):
+            self._clock[log] = clock = log_ms
+        self._floor = -1 if clock is None else clock
+        if clock is None:
+            return []
+        due = self._due.get(log)
+        if due is None or clock < due:
+            return []
+        found = self._timers(log, clock)
         found.sort(key=lambda kv: kv[0])
         return [o for _, outs in found for o in outs]
+
+    def tick(self, now_ms: int) -> list[Output]:
+        """Every log has reached ``now_ms``: the timers of every stream run (STALL alerts for
+        streams with an open call and no event for their ``stall_after_ms``; idle eviction).
+        Outputs are ordered by state key. For callers whose only log is the events themselves
+        (time = event time); the Kafka adapter never calls it with the wall clock (see "Time"
+        in the module docstring)."""
+        found: list[tuple[str, list[Output]]] = []
+        for log in sorted(self._in_domain):
+            clock = self._clock.get(log)
+            if clock is None or now_ms > clock:
+                self._clock[log] = clock = now_ms
+            found.extend(self._timers(log, clock))
+        self._floor = self._clock.get(self._domain, -1)
+        found.sort(key=lambda kv: kv[0])
+        return [o for _, outs in found for o in outs]
+
+    def _timers(self, log: str, clock: int) -> list[tuple[str, list[Output]]]:
+        """Fire the timers of ``log``'s streams due by ``clock`` (its log time): a STALL first
+        (its deadline comes first), then idle eviction; and note when the next one is due."""
+        found: list[tuple[str, list[Output]]] = []
+        evict = self.evict_idle_ms
+        members = self._in_domain.get(log)
+        nxt: int | None = None
+        for st in list(members.values()) if members else ():
+            last = st.last_log
+            if last < 0:
+                continue
+            idle = clock - last
+            stall = st.rules.stall_after_ms
+            outs: list[Output] = []
+            open_calls = not st.stalled and self._open_calls(st) > 0
+            if open_calls and idle >= stall:
+                st.stalled = True
+                open_calls = False
+                self._dirty.add(st.key)
+                outs.append(self._stall_alert(st, clock, idle))
+            if evict is not None and idle >= evict:
+                outs.extend(self._end_stream(
+                    st, st.last_seq, st.last_time, "",
+                    f"tracking ended: idle for {idle} ms of its log"))
+                found.append((st.key, outs))
+                continue
+            if outs:
+                found.append((st.key, outs))
+            for due in (last + evict if evict is not None else None,
+                        last + stall if open_calls else None):
+                if due is not None and (nxt is None or due < nxt):
+                    nxt = due
+        if nxt is None:
+            self._due.pop(log, None)
+        else:
+            self._due[log] = nxt
+        return found
 
     def take_dirty(self) -> dict[str, bytes | None]:
         """State changed since the last call: key -> serialized state, or None if the stream
@@ -559,12 +670,26 @@ class WatchdogCore:
                 fp = _fromhex(fhash)
             except ValueError:
                 fp = _opaque(fhash)
+        fresh = st is None
         if st is None:
             st = self._new(key, task, sandbox, episode)
         self._dirty.add(key)
         st.last_seq = seq
         if t > st.last_time:
             st.last_time = t
+        # its timers count again from max(its log's clock, the record's log time) (_seen,
+        # inline: the hot path); a call may open the stall timer, a stalled one re-arms it
+        lg = self._log_ms
+        if lg is None:
+            lg = t
+        if self._floor > lg:
+            lg = self._floor
+        if lg > st.last_log:
+            st.last_log = lg
+        if st.domain != self._domain:
+            self._move(st)
+        elif call or fresh or st.stalled:
+            self._arm(st)
         st.stalled = False
         ring = st.ring
         win = st.win
@@ -887,6 +1012,7 @@ class WatchdogCore:
     def _new(self, key: str, task: str, sandbox: str, episode: str | None) -> _Stream:
         task = self._tools.get(task) or self._intern(task)
         st = _Stream(key, task, sandbox, episode, self._task_rules.get(task, self.default_rules))
+        st.domain = self._domain
         self._add(st)
         return st
 
@@ -894,10 +1020,13 @@ class WatchdogCore:
         self._streams[st.key] = st
         st.sb_next = self._by_sandbox.get(st.sandbox)
         self._by_sandbox[st.sandbox] = st
+        self._in_domain.setdefault(st.domain, {})[st.key] = st
+        self._arm(st)
 
     def _drop(self, st: _Stream) -> None:
         if self._streams.pop(st.key, None) is None:
             return
+        self._leave(st)
         head = self._by_sandbox.get(st.sandbox)
         if head is st:
             if st.sb_next is None:
@@ -917,7 +1046,48 @@ class WatchdogCore:
         if t > st.last_time:
             st.last_time = t
         st.stalled = False
+        self._seen(st, t)
         self._dirty.add(st.key)
+
+    def _seen(self, st: _Stream, t: int) -> None:
+        """An event of ``st`` (event time ``t``) was read: its timers count again from
+        ``max(its log's clock, the record's log time)`` (a record written before the clock was
+        read late: its stream is not made idle by the delay)."""
+        lg = self._log_ms
+        if lg is None:
+            lg = t
+        if self._floor > lg:
+            lg = self._floor
+        if lg > st.last_log:
+            st.last_log = lg
+        if st.domain != self._domain:
+            self._move(st)
+        else:
+            self._arm(st)
+
+    def _move(self, st: _Stream) -> None:
+        """``st``'s events now come from the current log (or did not come from any yet)."""
+        self._leave(st)
+        st.domain = self._domain
+        self._in_domain.setdefault(st.domain, {})[st.key] = st
+        self._arm(st)
+
+    def _arm(self, st: _Stream) -> None:
+        """Its log's next-due time is not after ``st``'s earliest possible timer."""
+        if st.last_log < 0:
+            return
+        stall, evict = st.rules.stall_after_ms, self.evict_idle_ms
+        due = st.last_log + (stall if evict is None or stall < evict else evict)
+        cur = self._due.get(st.domain)
+        if cur is None or due < cur:
+            self._due[st.domain] = due
+
+    def _leave(self, st: _Stream) -> None:
+        members = self._in_domain.get(st.domain)
+        if members is not None and members.get(st.key) is st:
+            del members[st.key]
+            if not members:
+                del self._in_domain[st.domain]
 
     def _dead(self, kind: str, record: Any, code: str, reason: str) -> DeadLetterOut:
         h = record.get("header") if isinstance(record, Mapping) else None
@@ -981,10 +1151,14 @@ class WatchdogCore:
     # -- serialization ------------------------------------------------------------------------
     def _load(self, blob: bytes) -> _Stream:
         data = json.loads(blob)
-        if not isinstance(data, list) or len(data) != 13 or data[0] != STATE_VERSION:
-            raise ValueError("not a watchdog state v1")
+        if not isinstance(data, list) or not (
+                (len(data) == 13 and data[0] == 1) or (len(data) == 15 and data[0] == 2)):
+            raise ValueError(f"not a watchdog state v1 or v{STATE_VERSION}")
         (_, task, sandbox, episode, last_seq, last_time, n, loop_len, stalled, open_old, m,
-         ring, win) = data
+         ring, win) = data[:13]
+        last_log, domain = data[13:] if len(data) == 15 else (-1, "")
+        if type(last_log) is not int or type(domain) is not str:
+            raise TypeError("last_log must be int, domain str")
         for name, v, typ in (("task", task, str), ("sandbox", sandbox, str)):
             if type(v) is not typ:
                 raise TypeError(f"{name} must be {typ.__name__}")
@@ -1002,6 +1176,7 @@ class WatchdogCore:
         task = self._tools.get(task) or self._intern(task)
         st = _Stream(state_key(sandbox, episode), task, sandbox, episode, rules)
         st.last_seq, st.last_time, st.n = last_seq, last_time, n
+        st.last_log, st.domain = last_log, domain
         st.stalled = bool(stalled)
         st.open_old = open_old
         fps: dict[str, bytes] = {}  # one object per distinct fingerprint, as when live
@@ -1057,7 +1232,8 @@ def _dump(st: _Stream) -> bytes:
     ring = [v.hex() if isinstance(v, bytes) else v for v in st.ring]
     return json.dumps(
         [STATE_VERSION, st.task, st.sandbox, st.episode, st.last_seq, st.last_time, st.n,
-         st.loop_len, int(st.stalled), st.open_old, st.rules.max_cycle_length, ring, st.win],
+         st.loop_len, int(st.stalled), st.open_old, st.rules.max_cycle_length, ring, st.win,
+         st.last_log, st.domain],
         separators=(",", ":"), ensure_ascii=False,
     ).encode("utf-8", "surrogatepass")
 
