@@ -148,8 +148,9 @@ def user_error_message(exc: BaseException) -> str | None:
 
     from trajbus.bus.errors import UserError
     from trajbus.bus.kafka import BrokerUnavailableError
+    from trajbus.infra.broker import BrokerError, KafkaSetupError
 
-    if isinstance(exc, UserError | BrokerUnavailableError):
+    if isinstance(exc, UserError | BrokerUnavailableError | BrokerError | KafkaSetupError):
         return str(exc)
     if isinstance(exc, KafkaConnectionError):
         from trajbus.bus.settings import get_settings

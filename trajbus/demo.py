@@ -66,10 +66,15 @@ def run_demo(args: argparse.Namespace) -> int:
     bootstrap = args.bootstrap or os.environ.get("TRAJBUS_KAFKA__BOOTSTRAP_SERVERS")
     if bootstrap is None and args.nodes > 1:
         cluster = LocalCluster(nodes=args.nodes)
-        already = cluster.status().running == cluster.size
+        running = cluster.status().running
+        # a node or two down is the cluster's business (a drill, a rolling restart): a cluster
+        # with any node up is used as it is, and left to whoever runs it
+        already = running > 0
         _say(f"local Kafka cluster of {cluster.size} nodes: "
-             f"{'already running' if already else 'starting'} on {cluster.bootstrap}")
-        cluster.start(timeout=180)
+             + (f"{running} of {cluster.size} nodes running, using it" if already
+                else "starting") + f" on {cluster.bootstrap}")
+        if not already:
+            cluster.start(timeout=180)
         bootstrap = cluster.bootstrap
         if "TRAJBUS_TOPICS__REPLICATION_FACTOR" not in os.environ:
             base = base.model_copy(update={"topics": base.topics.model_copy(
