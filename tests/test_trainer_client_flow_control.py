@@ -35,7 +35,12 @@ BATCH = 16  # episodes per training step: ~370 live segments, more than MAX_IN_F
 
 
 def _episodes(n: int, seed: int, **kw: Any) -> list[Episode]:
-    return make_episodes(n, seed=seed, task=TASK, steps=20, **kw)  # 4 to 42 events each
+    """``n`` episodes of 20 to 42 events: any BATCH of them holds more than MAX_IN_FLIGHT
+    live segments, whichever come first."""
+    eps = [ep for ep in make_episodes(3 * n, seed=seed, task=TASK, steps=20, **kw)
+           if ep.n >= 20][:n]
+    assert len(eps) == n and BATCH * 20 > MAX_IN_FLIGHT
+    return eps
 
 
 def _check_whole_once(published: list[Episode], received: list[Any]) -> None:
