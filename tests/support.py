@@ -97,9 +97,11 @@ class Episode:
 
 
 def make_episodes(n_episodes: int, seed: int, task: str = "task-a", steps: int = 6,
-                  t0: int | None = None, truncate_every: int = 0) -> list[Episode]:
+                  t0: int | None = None, truncate_every: int = 0,
+                  policy_version: int | None = None) -> list[Episode]:
     """Episodes of EpisodeStart, tool call/result pairs and an EpisodeEnd, encoded. Event
-    times start at ``t0`` (default: now, so they agree with the workers' wall-clock ticks)."""
+    times start at ``t0`` (default: now, so they agree with the workers' wall-clock ticks);
+    every event carries ``policy_version``."""
     rng = random.Random(seed)
     t0 = int(time.time() * 1000) if t0 is None else t0
     eps = []
@@ -111,7 +113,8 @@ def make_episodes(n_episodes: int, seed: int, task: str = "task-a", steps: int =
         def header(seq: int, t: int, sandbox: str = sandbox, episode: str = episode
                    ) -> m.Envelope:
             return m.Envelope(event_id=f"{episode}-{seq}", task=task, sandbox=sandbox,
-                              episode=episode, seq=seq, event_time_ms=t, producer_id="test")
+                              episode=episode, seq=seq, event_time_ms=t, producer_id="test",
+                              policy_version=policy_version)
 
         evs: list[bytes] = [m.EpisodeStart(header=header(0, t)).encode()]
         for s in range(rng.randint(1, steps)):

@@ -41,11 +41,37 @@ Guarantees
   the first time this client is assigned it; if the broker cannot answer then, the partition
   waits, paused, until it can (``stats["start_positions_retried"]``) -- never read from the
   group's commit instead.
-* **Backpressure**: at most ``max_in_flight`` delivered-but-unacknowledged segments; the
-  iterator waits for acknowledgements instead of buffering without limit. The segments
-  ``episodes()`` holds for episodes not complete yet do not count (they are not the
-  trainer's, and waiting on them could never end): it holds as many as the episodes open at
-  once need.
+* **Flow control** (``max_in_flight``, default 256 segments): the iterator does not read
+  on while the segments handed out and not acknowledged that the trainer *can acknowledge
+  while the iterator waits* reach ``max_in_flight``; so no loop shape waits on itself:
+
+  - segments handed out by an *earlier* iterator of the client (a loop left with ``break``)
+    always count: a batch loop acknowledges its batch after its training step, before it
+    asks for the next one; a trainer that trains on one batch while the next is collected
+    acknowledges it from another task, and the new loop waits for that;
+  - the segments the *current* iterator handed out count once one of them has been
+    acknowledged while the iterator was fetching or waiting: something beside the loop (a
+    task, a thread) acknowledges them, and the loop waits for it. Until then they do not
+    count -- a loop that collects a batch of any size before acknowledging it, or never
+    acknowledges, could not release them while it waits for the next one. (A loop that
+    hands its episodes to tasks thus gets backpressure from their first acknowledgement
+    on; before it, it can run up to a fetch past ``max_in_flight``.)
+  - the segments ``episodes()`` holds for episodes not complete yet never count (they are
+    not the trainer's, and waiting on them could never end).
+
+  At the limit the iterator waits for acknowledgements (``stats["flow_control_waits"]``).
+  Without one for 10 s it logs a WARNING naming ``max_in_flight`` and what holds it, then
+  every 30 s; after ``flow_control_timeout_s`` (default 300 s: aiokafka's
+  ``max_poll_interval_ms``, after which a member that has not fetched is taken out of the
+  group anyway; None: never) it raises :class:`FlowControlError` (a ``RuntimeError``). What
+  a loop holds beyond the limit is committed only once acknowledged: a loop that never
+  acknowledges gets everything, and a restarted trainer reads it all again.
+* **Staleness** (``max_staleness`` with ``current_policy_version``): an episode whose oldest
+  event's policy version is more than ``max_staleness`` behind the trainer's when it
+  completes is dropped whole -- acknowledged, never handed out (``segments()``: each
+  segment on its own), counted in ``stats["stale_episodes_dropped"]`` /
+  ``["stale_segments_dropped"]`` (``["stale_dropped"]``: their events). ``max_staleness``
+  without ``current_policy_version`` is a ``ValueError``.
 
 Subscription and start position
 -------------------------------
@@ -104,6 +130,13 @@ _REMEMBERED = 200_000  # episodes whose delivery state the client keeps (bounded
 # group has settled, before the trainer's call raises it.
 REBALANCE_COMMIT_TIMEOUT_S = 300.0  # aiokafka's default max_poll_interval: a rebalance's bound
 _REBALANCE_RETRY_S = 0.2
+# A loop held at ``max_in_flight`` logs a WARNING after this long without an acknowledgement,
+# then again at most this often (see ReplayClient._wait_for_acks).
+_FLOW_WARN_AFTER_S = 10.0
+_FLOW_WARN_EVERY_S = 30.0
+FLOW_CONTROL_TIMEOUT_S = 300.0
+"""The default ``flow_control_timeout_s``: aiokafka's ``max_poll_interval_ms``, the longest a
+member may go without fetching before the group takes it out."""
 _METADATA_LIMIT = 3500  # below Kafka's default offset.metadata.max.bytes (4096)
 ALL_TASKS = "*"
 """``ReplayClient(ALL_TASKS, ...)``: every task's replay topic, present and future (the
@@ -186,6 +219,11 @@ class Episode:
         return not self.is_terminal
 
 
+class FlowControlError(RuntimeError):
+    """A loop waited ``flow_control_timeout_s`` at ``max_in_flight`` for acknowledgements that
+    did not come: the segments handed out and not acknowledged hold the limit."""
+
+
 class _PartitionProgress:
     """Which offsets of one partition are acknowledged; what may be committed."""
 
@@ -255,14 +293,19 @@ class _PartitionProgress:
 @dataclass
 class _Read:
     """What one :meth:`ReplayClient.segments` / :meth:`ReplayClient.episodes` iterator has
-    read from Kafka and not handed to the trainer."""
+    read from Kafka and not handed to the trainer; what it handed out and flow control."""
 
+    serial: int  # which iterator of the client (the owner of what it handed out)
     revocations_at_fetch: int  # the client's count of rebalances at its last fetch
     unhandled: dict[TopicPartition, int] = field(default_factory=dict)  # first offset not
     # looked at yet, per partition of the last batch
     open_episodes: dict[tuple[str, str], Episode] = field(default_factory=dict)
     open_segments: int = 0  # their segments (in flight, but not the trainer's yet)
     released: bool = False
+    own: int = 0  # segments this iterator handed out (open ones too), not acknowledged
+    at_trainer: bool = False  # suspended at a yield: the trainer's loop body runs
+    acked_beside: bool = False  # one of ``own`` was acknowledged while this iterator was
+    # fetching or waiting: something beside the loop acknowledges (a task, a thread)
 
 
 class ReplayClient:
@@ -283,6 +326,7 @@ class ReplayClient:
         current_policy_version: Callable[[], int] | None = None,
         codec: Codec | None = None,
         commit_every_ms: float = 0,
+        flow_control_timeout_s: float | None = FLOW_CONTROL_TIMEOUT_S,
     ) -> None:
         """``tasks``: task names (one name as a plain string is fine), or :data:`ALL_TASKS`
         (``"*"``) for every task; ``task_pattern``: also every task whose whole name matches
@@ -298,7 +342,32 @@ class ReplayClient:
         acknowledgement. A positive value commits in the background, at most once per that
         interval (``ack`` never waits), at the price of re-delivering up to that interval's
         acknowledged segments after a crash; :meth:`commit` waits for everything
-        acknowledged."""
+        acknowledged.
+
+        ``max_in_flight`` / ``flow_control_timeout_s``: see "Flow control" in the module
+        docstring. A loop held at the limit logs a WARNING naming it while it waits, and
+        raises :class:`FlowControlError` after ``flow_control_timeout_s`` without an
+        acknowledgement (None: it waits, warning, for ever).
+
+        ``max_staleness`` (with ``current_policy_version``, a callable returning the
+        trainer's policy version now): an episode (``segments()``: a segment) whose oldest
+        event's ``policy_version`` is more than ``max_staleness`` behind is dropped whole:
+        acknowledged, never handed out, counted in ``stats`` (``stale_episodes_dropped``,
+        ``stale_segments_dropped``; ``stale_dropped`` counts their events). Events without a
+        policy version are never stale."""
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, not {max_in_flight!r}")
+        if flow_control_timeout_s is not None and flow_control_timeout_s <= 0:
+            raise ValueError("flow_control_timeout_s must be positive (None: wait for ever), "
+                             f"not {flow_control_timeout_s!r}")
+        if max_staleness is not None:
+            if max_staleness < 0:
+                raise ValueError(f"max_staleness must be 0 or more, not {max_staleness!r}")
+            if current_policy_version is None:
+                raise ValueError(
+                    f"max_staleness={max_staleness} needs the trainer's policy version: pass "
+                    "current_policy_version=<a callable returning the version being trained "
+                    "now>, e.g. current_policy_version=lambda: trainer.policy_version")
         self.settings = settings or get_settings()
         topics = Topics(self.settings)
         self.pattern = replay_topic_pattern(self.settings, tasks, task_pattern)
@@ -308,12 +377,15 @@ class ReplayClient:
         self.group_id = group_id
         self.start_position = parse_start(start)
         self.max_in_flight = max_in_flight
+        self.flow_control_timeout_s = flow_control_timeout_s
         self.drop_truncated = drop_truncated
         self.drop_gappy = drop_gappy
         self.max_staleness = max_staleness
         self.current_policy_version = current_policy_version
         self.codec = codec or default_codec()
         self.stats = {"segments": 0, "events": 0, "duplicates_dropped": 0, "stale_dropped": 0,
+                      "stale_episodes_dropped": 0, "stale_segments_dropped": 0,
+                      "flow_control_waits": 0,
                       "skipped_already_acked": 0, "undecodable": 0,
                       "commits_retried_after_rebalance": 0, "acks_after_partition_moved": 0,
                       "records_read_again_after_early_exit": 0, "start_positions_retried": 0}
@@ -338,12 +410,15 @@ class ReplayClient:
         # offsets handed to the trainer and not acknowledged yet, per partition: read again
         # after a rejoin (the consumer restarts at the group's commit), such a record is not
         # "consumed" -- the commit must not pass it -- until its first delivery is acknowledged
-        self._handed_out: dict[TopicPartition, set[int]] = {}
+        # (offset -> the serial of the iterator that handed it out)
+        self._handed_out: dict[TopicPartition, dict[int, int]] = {}
         self._positioned: set[TopicPartition] = set()
         self._unpositioned: set[TopicPartition] = set()  # paused until their start is known
         self._next_position_try = 0.0
         self._revocations = 0  # rebalances begun: each resets the kept partitions' positions
         self._reading: _Read | None = None  # the iterator reading now
+        self._reads = 0  # iterators made
+        self._told_own_beyond_limit = False
         self._latest_at_start: dict[TopicPartition, int] = {}
 
     async def start(self) -> None:
@@ -478,31 +553,31 @@ class ReplayClient:
         from Kafka but not yet handed out are read again by the next iterator of this client
         (the consumer is moved back to them)."""
         read = self._new_read()
-        segments = self._read_segments(read, idle_timeout)
+        segments = self._read_segments(read, idle_timeout, drop_stale=True)
         try:
             async for seg in segments:
+                read.at_trainer = True
                 yield seg
+                read.at_trainer = False
         finally:
             await segments.aclose()
             self._release(read)
 
-    async def _read_segments(self, read: _Read, idle_timeout: float | None
-                             ) -> AsyncGenerator[Segment, None]:
+    async def _read_segments(self, read: _Read, idle_timeout: float | None,
+                             drop_stale: bool = False) -> AsyncGenerator[Segment, None]:
         assert self._consumer is not None, "call start() first"
         loop = asyncio.get_running_loop()
         idle_since = loop.time()
         unhandled = read.unhandled
         while True:
-            # backpressure on what the trainer holds; the segments of episodes still open
-            # wait for the rest of their episodes, which must be read to complete them
-            while self._in_flight - read.open_segments >= self.max_in_flight:
-                self._acked_event.clear()
-                await self._acked_event.wait()
+            # backpressure on what the trainer can acknowledge while this loop waits (see
+            # _held); the segments of episodes still open wait for the rest of their
+            # episodes, which must be read to complete them
+            await self._wait_for_acks(read)
             if self._unpositioned and not self._rebalancing:
                 await self._position_pending()
             batch = await self._consumer.getmany(
-                timeout_ms=200,
-                max_records=self.max_in_flight - (self._in_flight - read.open_segments))
+                timeout_ms=200, max_records=max(1, self.max_in_flight - self._held(read)[0]))
             if batch and self._rebalancing:
                 # fetched from the new assignment while its callback still runs (aiokafka
                 # wakes getmany first): its open episodes may yet be dropped -- read these
@@ -537,7 +612,7 @@ class ReplayClient:
                     self._progress.pop(tp, None)
                     unhandled.pop(tp, None)
                     continue
-                handed = self._handed_out.setdefault(tp, set())
+                handed = self._handed_out.setdefault(tp, {})
                 for msg in msgs:
                     unhandled[tp] = msg.offset
                     progress.note_read(msg.offset)
@@ -550,8 +625,15 @@ class ReplayClient:
                     if seg is None:
                         progress.ack(msg.offset)  # nothing new in it: consumed
                         continue
-                    handed.add(msg.offset)
+                    if drop_stale and self._too_stale(seg.events):
+                        self.stats["stale_segments_dropped"] += 1
+                        self.stats["stale_dropped"] += len(seg.events)
+                        if progress.ack(msg.offset):  # consumed: committed with the next
+                            self._dirty = True
+                        continue
+                    handed[msg.offset] = read.serial
                     self._in_flight += 1
+                    read.own += 1
                     self.stats["segments"] += 1
                     self.stats["events"] += len(seg.events)
                     unhandled[tp] = msg.offset + 1  # handed out, even if the loop ends here
@@ -587,7 +669,7 @@ class ReplayClient:
         episodes would grow it without bound."""
         read = self._new_read()
         open_eps = read.open_episodes
-        segments = self._read_segments(read, idle_timeout)
+        segments = self._read_segments(read, idle_timeout)  # staleness: of whole episodes
         try:
             async for seg in segments:
                 key = (seg.sandbox, seg.episode)
@@ -601,10 +683,18 @@ class ReplayClient:
                     ep.is_terminal = seg.is_terminal
                     del open_eps[key]
                     read.open_segments -= len(ep.segments)
-                    if (self.drop_truncated and ep.truncated) or (self.drop_gappy and ep.gaps):
-                        await self.ack(ep)
+                    stale = self._too_stale(ep.events)
+                    if stale:
+                        self.stats["stale_episodes_dropped"] += 1
+                        self.stats["stale_dropped"] += len(ep.events)
+                    if (stale or (self.drop_truncated and ep.truncated)
+                            or (self.drop_gappy and ep.gaps)):
+                        self._acknowledge(ep, by_trainer=False)
+                        await self._maybe_commit()
                         continue
+                    read.at_trainer = True
                     yield ep
+                    read.at_trainer = False
         finally:
             await segments.aclose()
             self._release(read)
@@ -615,8 +705,72 @@ class ReplayClient:
         after this one has started) is released first, so the two never share records."""
         if self._reading is not None:
             self._release(self._reading)
-        read = self._reading = _Read(self._revocations)
+        self._reads += 1
+        read = self._reading = _Read(self._reads, self._revocations)
         return read
+
+    def _held(self, read: _Read) -> tuple[int, int]:
+        """What counts against ``max_in_flight`` for ``read``, and of that what earlier
+        iterators handed out: the segments the trainer can acknowledge while ``read`` waits.
+        Those an earlier loop handed out always count (the trainer had them before it asked
+        again). Those this loop handed out count only once one of them was acknowledged
+        while it waited (something beside the loop acknowledges): a loop that collects a
+        batch before acknowledging could never release them while it waits for the next
+        one. The segments of episodes it holds open never count (they are not the
+        trainer's)."""
+        earlier = self._in_flight - read.own
+        if read.acked_beside:
+            return earlier + read.own - read.open_segments, earlier
+        return earlier, earlier
+
+    async def _wait_for_acks(self, read: _Read) -> None:
+        """Wait while ``read`` is held at ``max_in_flight`` (see :meth:`_held`). A wait
+        without an acknowledgement is logged (WARNING) after ``_FLOW_WARN_AFTER_S``, then at
+        most every ``_FLOW_WARN_EVERY_S``, and raised (:class:`FlowControlError`) after
+        ``flow_control_timeout_s``."""
+        if not read.acked_beside and read.own - read.open_segments >= self.max_in_flight:
+            # beyond the limit on its own segments: first let a task (or thread) that is
+            # ready to acknowledge one do so, which tells what counts (fetches of records
+            # already buffered would not give it a turn)
+            await asyncio.sleep(0)
+            if not read.acked_beside and not self._told_own_beyond_limit:
+                self._told_own_beyond_limit = True
+                log.info("replay client %s: this loop holds %d segments it handed out and "
+                         "that are not acknowledged, more than max_in_flight=%d; it is not "
+                         "held back by them (it could not acknowledge them while it waits for "
+                         "the next one); they are committed once acknowledged",
+                         self.group_id, read.own - read.open_segments, self.max_in_flight)
+        counted, earlier = self._held(read)
+        if counted < self.max_in_flight:
+            return
+        self.stats["flow_control_waits"] += 1
+        loop = asyncio.get_running_loop()
+        last_ack = loop.time()
+        warn_at = last_ack + _FLOW_WARN_AFTER_S
+        timeout = self.flow_control_timeout_s
+        while True:
+            self._acked_event.clear()
+            wake = warn_at if timeout is None else min(warn_at, last_ack + timeout)
+            try:
+                await asyncio.wait_for(self._acked_event.wait(), max(0.0, wake - loop.time()))
+                last_ack = loop.time()
+            except TimeoutError:
+                pass
+            counted, earlier = self._held(read)
+            if counted < self.max_in_flight:
+                return
+            now = loop.time()
+            held = (f"{counted} segments handed out and not acknowledged hold "
+                    f"max_in_flight={self.max_in_flight} ({earlier} by earlier loops of this "
+                    f"client, {counted - earlier} by this one); none was acknowledged for "
+                    f"{now - last_ack:.0f} s")
+            advice = ("ack() them (a loop left after a batch acknowledges the batch before "
+                      "asking for the next) or raise max_in_flight")
+            if timeout is not None and now - last_ack >= timeout:
+                raise FlowControlError(f"replay client {self.group_id}: {held}; {advice}")
+            if now >= warn_at:
+                log.warning("replay client %s: waiting: %s; %s", self.group_id, held, advice)
+                warn_at = now + _FLOW_WARN_EVERY_S
 
     def _drop_open_episodes(self, partitions: set[TopicPartition]) -> None:
         """Forget the current iterator's open episodes on ``partitions`` (their progress was
@@ -628,19 +782,20 @@ class ReplayClient:
         for key, ep in list(read.open_episodes.items()):
             if any(TopicPartition(seg.topic, seg.partition) in partitions for seg in ep.segments):
                 del read.open_episodes[key]
-                self._forget_open(ep)
+                self._forget_open(read, ep)
                 read.open_segments -= len(ep.segments)
         self._acked_event.set()
 
-    def _forget_open(self, ep: Episode) -> None:
+    def _forget_open(self, read: _Read, ep: Episode) -> None:
         """An episode an iterator held open is not the trainer's: not in flight, not held
         back from a re-read, not "delivered" (the re-read would drop its events as
         duplicates)."""
         self._delivered_hwm.pop((ep.sandbox, ep.episode), None)
         for seg in ep.segments:
-            self._handed_out.get(TopicPartition(seg.topic, seg.partition),
-                                 set()).discard(seg.offset)
-            self._in_flight -= 1
+            handed = self._handed_out.get(TopicPartition(seg.topic, seg.partition), {})
+            if handed.pop(seg.offset, None) is not None:
+                self._in_flight -= 1
+                read.own -= 1
 
     def _release(self, read: _Read) -> None:
         """An iterator ended: what it read from Kafka and did not hand out -- the segments of
@@ -654,7 +809,7 @@ class ReplayClient:
             self._reading = None
         rewind = dict(read.unhandled)
         for ep in read.open_episodes.values():
-            self._forget_open(ep)
+            self._forget_open(read, ep)
             for seg in ep.segments:
                 tp = TopicPartition(seg.topic, seg.partition)
                 rewind[tp] = min(seg.offset, rewind.get(tp, seg.offset))
@@ -678,22 +833,32 @@ class ReplayClient:
     async def ack(self, item: Segment | Episode) -> None:
         """The trainer has consumed this segment (or every segment of this episode). Returns
         once it is committed (with ``commit_every_ms`` > 0: at once, the commit follows in the
-        background)."""
+        background). Acknowledging again what is acknowledged already changes nothing."""
+        self._acknowledge(item, by_trainer=True)
+        await self._maybe_commit()
+
+    def _acknowledge(self, item: Segment | Episode, by_trainer: bool) -> None:
         segs = item.segments if isinstance(item, Episode) else [item]
+        read = self._reading
         for seg in segs:
             tp = TopicPartition(seg.topic, seg.partition)
-            self._handed_out.get(tp, set()).discard(seg.offset)
+            owner = self._handed_out.get(tp, {}).pop(seg.offset, None)
             progress = self._progress.get(tp)
             if progress is not None:
                 if progress.ack(seg.offset):
                     # committed now even when it is beyond the commit point (in the metadata):
                     # a restart must not deliver it again
                     self._dirty = True
-            else:  # its partition went to another member meanwhile, which reads it again
-                self.stats["acks_after_partition_moved"] += 1
+            elif owner is not None:  # its partition went to another member meanwhile,
+                self.stats["acks_after_partition_moved"] += 1  # which reads it again
+            if owner is None:
+                continue  # acknowledged already (or never handed out): not in flight
             self._in_flight -= 1
+            if read is not None and owner == read.serial:
+                read.own -= 1
+                if by_trainer and not read.at_trainer:
+                    read.acked_beside = True  # while the loop was fetching or waiting
         self._acked_event.set()
-        await self._maybe_commit()
 
     # -- internals ----------------------------------------------------------------------
     async def _end_offsets_now(self) -> dict[TopicPartition, int]:
@@ -847,9 +1012,6 @@ class ReplayClient:
             hwm = seq
         if not events and not rec["is_last"] and rec["gap"] is None:
             return None
-        if self._too_stale(events):
-            self.stats["stale_dropped"] += len(events)
-            events = []
         self._delivered_hwm[key] = max(hwm, rec["last_seq"])
         self._delivered_hwm.move_to_end(key)
         while len(self._delivered_hwm) > _REMEMBERED:  # bounded memory: forget the oldest
@@ -870,12 +1032,15 @@ class ReplayClient:
         )
 
     def _too_stale(self, events: list[Decoded]) -> bool:
-        if self.max_staleness is None or self.current_policy_version is None or not events:
+        """The oldest policy version among ``events`` is more than ``max_staleness`` behind
+        the trainer's (events without one are never stale)."""
+        if self.max_staleness is None or self.current_policy_version is None:
             return False
-        version = events[0].record["header"].get("policy_version")
-        if version is None:
+        versions = [v for ev in events
+                    if (v := ev.record["header"].get("policy_version")) is not None]
+        if not versions:
             return False
-        return bool(self.current_policy_version() - version > self.max_staleness)
+        return bool(self.current_policy_version() - min(versions) > self.max_staleness)
 
     async def _maybe_commit(self) -> None:
         self._raise_commit_error()
