@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --nodes: the node fault of every run (default random: SIGKILL a "
                          "random node, start it 10 s later; cycle: each kind in turn; see "
                          "tests/cluster_faults.py)")
+    ap.add_argument("--repeat-each", type=int, default=1, metavar="N",
+                    help="with --fault cycle: N runs in a row of each kind (the fault suite: "
+                         "--fault cycle --repeat-each 3 --runs 24)")
     ap.add_argument("--seed", type=int, default=None,
                     help="first run's seed (default: from the clock; printed)")
     ap.add_argument("--work", type=Path, default=REPO / ".trajbus" / "soak",
@@ -193,8 +196,8 @@ async def _soak(args: argparse.Namespace) -> int:
             for i in range(args.runs):
                 restart_mid_run = cluster or i % 2 == 0
                 restarted_before = False
-                fault_name = (list(FAULTS)[i % len(FAULTS)] if args.fault == "cycle"
-                              else args.fault)
+                fault_name = (list(FAULTS)[(i // max(1, args.repeat_each)) % len(FAULTS)]
+                              if args.fault == "cycle" else args.fault)
                 if i > 0 and not restart_mid_run:
                     await asyncio.to_thread(broker.restart, 120)
                     restarted_before = True
