@@ -42,20 +42,9 @@ sys.path.insert(0, str(HERE))
 SESSION_TIMEOUT_MS = 4000  # LocalBroker's broker.session.timeout.ms
 
 
-async def _leaders(bootstrap: str, topic: str) -> dict[int, int]:
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        [desc] = await admin.describe_topics([topic])
-        return {p["partition"]: p["leader"] for p in desc["partitions"]}
-    finally:
-        await admin.close()
-
-
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from trajbus.bus.admin import ensure_base_topics
+    from trajbus.bus.inventory import partition_leaders
     from trajbus.bus.settings import KafkaSettings, Settings, TopicSettings
     from trajbus.bus.topics import Topics
     from trajbus.consumers.replay.client import ReplayClient
@@ -105,7 +94,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         await asyncio.sleep(12)  # the stream flows
         for r in range(args.rounds):
-            leaders = await _leaders(cluster.bootstrap, replay_topic)
+            leaders = await partition_leaders(settings, replay_topic)
             node = max(set(leaders.values()), key=lambda n: sum(1 for v in leaders.values()
                                                                 if v == n))
             kill_ms = time.time() * 1000

@@ -355,3 +355,14 @@ async def cluster_health(settings: Settings) -> ClusterHealth:
                 below.append(where)
     return ClusterHealth(tuple(sorted(b["node_id"] for b in cluster.get("brokers", []))),
                          total, tuple(under), tuple(below), tuple(offline))
+
+
+async def partition_leaders(settings: Settings, topic: str) -> dict[int, int]:
+    """``topic``'s partitions and the node id leading each (-1: none)."""
+    admin = _admin(settings, "inventory")
+    await admin.start()
+    try:
+        [desc] = await admin.describe_topics([topic])
+        return {p["partition"]: p["leader"] for p in desc["partitions"]}
+    finally:
+        await close_client(admin)

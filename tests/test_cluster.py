@@ -20,22 +20,12 @@ from aiokafka.errors import KafkaError
 
 from trajbus.bus.admin import ensure_topics
 from trajbus.bus.closing import close_client
+from trajbus.bus.inventory import partition_leaders
 from trajbus.bus.settings import KafkaSettings, Settings, TopicSettings
 from trajbus.bus.topics import TopicSpec
 from trajbus.infra.cluster import LocalCluster
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
-
-
-async def _leaders(bootstrap: str, topic: str) -> dict[int, int]:
-    """partition -> leader node id."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        [desc] = await admin.describe_topics([topic])
-        return {p["partition"]: p["leader"] for p in desc["partitions"]}
-    finally:
-        await admin.close()
 
 
 def test_the_cli_reports_the_cluster_and_its_nodes(kafka_cluster: LocalCluster) -> None:
@@ -82,7 +72,7 @@ async def test_one_node_down_writes_go_on_two_down_they_stop(restore_cluster: Lo
     await producer.start()
     try:
         await producer.send_and_wait(topic, b"all up")
-        leader = (await _leaders(cluster.bootstrap, topic))[0]
+        leader = (await partition_leaders(settings, topic))[0]
         await asyncio.to_thread(cluster.kill_node, leader)
         await asyncio.wait_for(producer.send_and_wait(topic, b"one down"), 60)
         other = next(n for n in range(1, 4) if n != leader)
