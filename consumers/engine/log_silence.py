@@ -53,12 +53,11 @@ class LogSilences:
     def observe(self, topic: str, log_ms: int) -> None:
         """A record of ``topic`` (any record, ticks included) written at ``log_ms``."""
         prev = self.last.get(topic)
-        if prev is not None and log_ms <= prev:
-            return
-        self.last[topic] = log_ms
-        self.dirty = True
-        if prev is not None and log_ms - prev > self.allowance_ms:
-            self._add(max(prev + self.allowance_ms, self.fold_until), log_ms)
+        if prev is None or log_ms > prev:
+            self.last[topic] = log_ms
+            self.dirty = True
+            if prev is not None and log_ms - prev > self.allowance_ms:
+                self._add(max(prev + self.allowance_ms, self.fold_until), log_ms)
 
     def _add(self, start: int, end: int) -> None:
         if end <= start:
@@ -82,6 +81,8 @@ class LogSilences:
 
     def serving(self, t: int) -> int:
         """Serving time of log time ``t``: ``t`` less every silence before it."""
+        if not self.starts:  # the usual case, per record: no silence since the last fold
+            return t - self.folded if t > 0 else t
         return t - self.silent_before(t) if t > 0 else t
 
     def fold(self, clock_log_ms: int) -> None:
