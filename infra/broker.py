@@ -241,11 +241,22 @@ def ensure_jars(lib_dir: Path | None = None, *, force: bool = False, quiet: bool
 # small helpers
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = DEFAULT_HOST) -> int:
-    """A TCP port that is free right now on ``host`` (for tests; racy by nature)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port that is free right now on ``host`` (for tests; racy by nature), never one
+    this process was given before: two calls in a row could get the same port from the
+    kernel, since nothing listens on it yet (a fresh-clone run of 2026-12-05 got a broker
+    listener and its controller on one port)."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError("no free port that was not handed out already")
 
 
 def _port_free(host: str, port: int) -> bool:
