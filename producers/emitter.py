@@ -828,6 +828,18 @@ class SandboxEmitter:
         }, event_time_ms=event_time_ms)
         return eid
 
+    async def acknowledge(self, decision_event_id: str, *, decision: str = "TERMINATE",
+                          done: bool = True, detail: str = "",
+                          event_time_ms: int | None = None) -> str:
+        """Answer a scheduling decision about this sandbox (its ``header.event_id``): carried
+        out (``done``) or not, with what happened. ``trajbus alerts`` shows a TERMINATE as
+        done only once this arrives; a failed one becomes the scheduler's ANOMALY."""
+        eid, _ = await self._emit("DecisionAck", None, {
+            "decision_event_id": self._text(decision_event_id), "decision": decision,
+            "outcome": "DONE" if done else "FAILED", "detail": self._text(detail),
+        }, event_time_ms=event_time_ms)
+        return eid
+
     async def start_episode(self, episode: str, *, tenant: str | None = None,
                             env_snapshot: str | None = None,
                             context: Mapping[str, str] | None = None,

@@ -327,7 +327,7 @@ def _invalid_ids(h: dict[str, Any]) -> str | None:
 _EPISODE_KINDS = frozenset({"EpisodeStart", "EpisodeEnd", "ToolCall", "ToolResult", "TraceChunk"})
 _REORDERED = frozenset({
     "EpisodeStart", "EpisodeEnd", "ToolCall", "ToolResult", "TraceChunk", "SandboxLifecycle",
-    "Drained", "Heartbeat", "LivenessProbe",
+    "Drained", "Heartbeat", "LivenessProbe", "DecisionAck",
 })
 
 
@@ -350,7 +350,7 @@ class SchedulerProcessor(_Adapter):
     stage = "scheduler"
     INPUT_KINDS = frozenset({
         "SandboxLifecycle", "Heartbeat", "LivenessProbe", "NodeReport", "SandboxRequest",
-        "TrainerRelease", "Drained", "WatchdogAlert",
+        "TrainerRelease", "Drained", "WatchdogAlert", "DecisionAck",
     })
 
     def __init__(self, settings: Settings, codec: Codec | None = None) -> None:
@@ -457,7 +457,8 @@ class SchedulerProcessor(_Adapter):
             self.core.restore(key, blob)
 
 
-_SANDBOX_STREAM = frozenset({"SandboxLifecycle", "Heartbeat", "LivenessProbe", "Drained"})
+_SANDBOX_STREAM = frozenset({"SandboxLifecycle", "Heartbeat", "LivenessProbe", "Drained",
+                            "DecisionAck"})
 _SANDBOX_EPISODE = "\x00sandbox"  # the sandbox-level stream, as a pseudo-episode of the core
 
 
