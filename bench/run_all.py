@@ -111,7 +111,9 @@ def run(names: list[str], quick: bool) -> dict[str, Any]:
                 data = json.loads(out.read_text())
             if proc.returncode not in (0, 1) or not data:
                 data = {"error": f"exit {proc.returncode}", "stderr": proc.stderr[-1500:]}
-            data["_command"] = " ".join(["python", *cmd[1:]]).replace(bootstrap, "$BROKER")
+            command = " ".join(["python", *cmd[1:]])
+            # (no shared broker when only self-contained benchmarks run: "" must not be replaced)
+            data["_command"] = command.replace(bootstrap, "$BROKER") if bootstrap else command
             data["_seconds"] = round(took, 1)
             data["_ran_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             data["_load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
