@@ -74,6 +74,12 @@ def connection_options(k: KafkaSettings) -> dict[str, Any]:
 
 #: How long an admin request waits for a connection to one node before it tries another.
 NODE_READY_TIMEOUT_S = 3.0
+#: How long a request that any node may answer (metadata, describe) waits for one node's
+#: answer before it asks another: a frozen node accepts the connection and never answers.
+NODE_ANSWER_TIMEOUT_S = 5.0
+#: Nodes that did not answer in time are asked last for this long (monotonic seconds).
+_SILENT_FOR_S = 60.0
+_silent_nodes: dict[tuple[str, int], float] = {}
 
 
 class ClusterAdminClient(AIOKafkaAdminClient):
@@ -85,21 +91,35 @@ class ClusterAdminClient(AIOKafkaAdminClient):
     async def _send_request(self, request: Any, node_id: int | None = None) -> Any:
         if node_id is not None:
             return await super()._send_request(request, node_id)
-        nodes = [b.nodeId for b in self._client.cluster.brokers()]
+        cluster = self._client.cluster
+        nodes = [b.nodeId for b in cluster.brokers()]
         random.shuffle(nodes)
         conns = self._client._conns
-        # nodes already connected first: a new connection to a node that is frozen (SIGSTOP,
-        # a long GC pause) is accepted by its kernel and then answers nothing
-        nodes.sort(key=lambda n: not any(key[0] == n and conn.connected()
-                                         for key, conn in conns.items()))
+        now = time.monotonic()
+
+        def address(n: int) -> tuple[str, int]:
+            b = cluster.broker_metadata(n)
+            return (b.host, b.port) if b is not None else ("", n)
+
+        # nodes that recently did not answer go last, nodes already connected first: a new
+        # connection to a node that is frozen (SIGSTOP, a long GC pause) is accepted by its
+        # kernel and then answers nothing
+        nodes.sort(key=lambda n: (_silent_nodes.get(address(n), 0.0) > now,
+                                  not any(key[0] == n and conn.connected()
+                                          for key, conn in conns.items())))
         last: Exception | None = None
         for node in nodes or [self._client.get_random_node()]:
             try:
                 if not await asyncio.wait_for(self._client.ready(node), NODE_READY_TIMEOUT_S):
                     continue
-                return await self._client.send(node, request)
-            except (KafkaConnectionError, NodeNotReadyError, RequestTimedOutError,
-                    TimeoutError) as exc:
+                answer = await asyncio.wait_for(self._client.send(node, request),
+                                                NODE_ANSWER_TIMEOUT_S)
+                _silent_nodes.pop(address(node), None)
+                return answer
+            except TimeoutError as exc:
+                _silent_nodes[address(node)] = time.monotonic() + _SILENT_FOR_S
+                last = exc  # that node is frozen or overloaded: the next one
+            except (KafkaConnectionError, NodeNotReadyError, RequestTimedOutError) as exc:
                 last = exc  # that node went away: the next one
         if last is not None:
             raise last

@@ -229,7 +229,11 @@ class SchedulerSettings(BaseModel):
 
 
 class ReplaySettings(BaseModel):
-    gap_timeout_ms: int = 5_000
+    # How long (log time, silences taken out) a missing seq may hold its episode back before
+    # it is declared a gap. Longer than a cluster failover as one producer sees it: on a
+    # 3-node cluster a sandbox's producer reached a partition 9-10 s after a node died while
+    # other producers wrote to it all along (RELIABILITY finding CL8); 5 s made false gaps.
+    gap_timeout_ms: int = 30_000
     max_buffered_per_episode: int = 10_000
     max_buffered_total: int = 2_000_000
     # Bytes one episode may hold back while it waits for a missing seq; beyond it the oldest
