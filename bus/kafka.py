@@ -37,17 +37,36 @@ class BrokerAuthenticationError(BrokerUnavailableError):
 
 
 # bootstrap list -> the same hosts, those that answered the start-up check first (see
-# order_bootstrap): aiokafka bootstraps from the hosts in order, and a node that accepts
-# connections but answers nothing (paused, overloaded) holds each client's start for its
-# request timeout before the next host is tried
+# order_bootstrap): a node that accepts connections but answers nothing (paused, overloaded)
+# holds a client's start for its request timeout before the next host is tried. aiokafka
+# shuffles the bootstrap hosts (collect_hosts(randomize=True)); _keep_chosen_order makes it
+# keep the order of the lists chosen here.
 _BOOTSTRAP_ORDER: dict[str, str] = {}
 _BOOTSTRAP_GRACE_S = 0.5
+
+
+def _keep_chosen_order() -> None:
+    """Once per process: aiokafka's clients bootstrap from a list in ``_BOOTSTRAP_ORDER``'s
+    values in that order (other lists are still shuffled, as aiokafka does)."""
+    import aiokafka.client as aiokafka_client
+
+    original = aiokafka_client.collect_hosts
+    if getattr(original, "_trajbus_ordered", False):
+        return
+
+    def collect_hosts(hosts: Any, randomize: bool = True) -> Any:
+        chosen = isinstance(hosts, str) and hosts in _BOOTSTRAP_ORDER.values()
+        return original(hosts, randomize=randomize and not chosen)
+
+    collect_hosts._trajbus_ordered = True  # type: ignore[attr-defined]
+    aiokafka_client.collect_hosts = collect_hosts
 
 
 def connection_options(k: KafkaSettings) -> dict[str, Any]:
     """Options common to aiokafka producers, consumers and admin clients. Building them also
     applies the reconnect backoff to the process's aiokafka clients (``bus/reconnect.py``)."""
     install_reconnect_backoff(k.reconnect_backoff_ms, k.reconnect_backoff_max_ms)
+    _keep_chosen_order()
     opts: dict[str, Any] = {
         "bootstrap_servers": _BOOTSTRAP_ORDER.get(k.bootstrap_servers, k.bootstrap_servers),
         "security_protocol": k.security_protocol,
