@@ -118,7 +118,7 @@ from trajbus.bus.kafka import admin_client, check_broker, connection_options
 from trajbus.bus.positions import StartPosition, parse_start, resolve_offsets
 from trajbus.bus.settings import Settings, get_settings
 from trajbus.bus.topics import Topics, validate_name
-from trajbus.consumers.replay import notices
+from trajbus.consumers.replay import notices, ratelimit
 from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ _FLOW_WARN_EVERY_S = 30.0
 FLOW_CONTROL_TIMEOUT_S = 300.0
 """The default ``flow_control_timeout_s``: aiokafka's ``max_poll_interval_ms``, the longest a
 member may go without fetching before the group takes it out."""
-DEFAULT_COMMIT_EVERY_MS = 0.0
+DEFAULT_COMMIT_EVERY_MS = 100.0
 """The default ``commit_every_ms`` (see "Commit styles" in the module docstring)."""
 STOP_COMMIT_TIMEOUT_S = 10.0
 """How long ``stop()`` tries its last commit (the broker away: aiokafka retries for ever)."""
@@ -468,10 +468,12 @@ class ReplayClient:
         replay topic, a new group, a wait to join the group."""
         consumer = self._consumer
 
-        def joined() -> bool:
+        def joined() -> bool:  # a generation: the JoinGroup was answered
             coordinator = getattr(consumer, "_coordinator", None)
-            return (consumer is None or not consumer.subscription()
-                    or getattr(coordinator, "generation", 1) > 0)
+            return consumer is None or getattr(coordinator, "generation", 1) > 0
+
+        def subscribed() -> bool:  # a topic matches (else no group to join: notices say so)
+            return consumer is None or bool(consumer.subscription())
 
         async def members() -> list[dict[str, str]]:
             admin = admin_client(self.settings.kafka, "admin")
@@ -500,18 +502,27 @@ class ReplayClient:
             if message:
                 log.warning("%s", message)
 
+        async def outage_log_ticks() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                ratelimit.tick()
+
+        ratelimit.attach()  # the Kafka client's log during an outage (ratelimit.py)
         self._watchers = [asyncio.create_task(c) for c in (
+            outage_log_ticks(),
             new_group(),
             notices.watch_subscription(
                 self.group_id, self.tasks, self.pattern,
                 lambda: inventory.topic_names(self.settings),
                 lambda topic: inventory.replay_task(self.settings, topic)),
-            notices.watch_join(self.group_id, joined, members,
+            notices.watch_join(self.group_id, joined, subscribed, members,
                                self.group_instance_id is not None),
         )]
 
     async def _stop_watchers(self) -> None:
         watchers, self._watchers = self._watchers, []
+        if watchers:
+            ratelimit.detach()
         for task in watchers:
             task.cancel()
         await asyncio.gather(*watchers, return_exceptions=True)

@@ -149,11 +149,12 @@ def members_of(description: Any) -> list[dict[str, str]]:
         return []
 
 
-async def watch_join(group_id: str, joined: Callable[[], bool],
+async def watch_join(group_id: str, joined: Callable[[], bool], subscribed: Callable[[], bool],
                      members: Callable[[], Awaitable[list[dict[str, str]]]], static: bool,
                      log_after_s: float | None = None) -> None:
     """Log once if the client has not joined its group after ``log_after_s`` (what it waits
-    for), and once more when it has."""
+    for), and once more when it has. Nothing while no topic matches the subscription (there
+    is nothing to join for yet: :func:`watch_subscription` says that)."""
     after = JOIN_WAIT_LOG_AFTER_S if log_after_s is None else log_after_s
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -162,6 +163,8 @@ async def watch_join(group_id: str, joined: Callable[[], bool],
             break
         await asyncio.sleep(0.1)
     else:
+        return
+    if not subscribed():
         return
     try:
         who = await asyncio.wait_for(members(), 5.0)
