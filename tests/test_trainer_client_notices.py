@@ -93,8 +93,8 @@ import asyncio, sys
 from trajbus.consumers.replay.client import ReplayClient
 
 async def main() -> None:
-    instance = sys.argv[2] or None
-    async with ReplayClient("web-shop", sys.argv[1], group_instance_id=instance) as client:
+    static = {"group_instance_id": sys.argv[2]} if sys.argv[2] else {}
+    async with ReplayClient("web-shop", sys.argv[1], **static) as client:
         async for ep in client.episodes():
             await client.ack(ep)
             print("joined", flush=True)
@@ -120,7 +120,8 @@ def _killed_trainer(settings: Any, group: str, instance: str) -> None:
 
 async def _time_to_join(settings: Any, group: str, instance: str | None) -> float:
     started = time.monotonic()
-    async with ReplayClient("web-shop", group, settings, group_instance_id=instance) as c:
+    static: dict[str, Any] = {"group_instance_id": instance} if instance else {}
+    async with ReplayClient("web-shop", group, settings, **static) as c:
         assert c._consumer is not None
         while not c._consumer.assignment():
             await asyncio.sleep(0.05)

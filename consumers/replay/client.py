@@ -10,18 +10,23 @@ Guarantees
   acknowledged that segment *and every earlier one in the partition* (offsets that hold no
   record for this reader -- the worker's transaction markers, aborted records -- count as
   passed, learnt from the offsets skipped between records read in order). Offsets acknowledged
-  beyond that point are stored in the commit's metadata, so a trainer that crashes and
-  resumes sees neither a gap nor a second copy of what it acknowledged (the default,
-  ``commit_every_ms=0``: every :meth:`ReplayClient.ack` returns once its commit is done).
-* **Coalesced commits** (``commit_every_ms=N``): ``ack`` returns at once and a committer
-  task commits what is acknowledged at most once per N ms, one commit in flight; a crash
-  re-delivers at most the acknowledgements made since the last commit. ``await
-  client.commit()`` returns once everything acknowledged so far is committed (before saving
-  a checkpoint, say); ``stop()`` commits too, and so does a rebalance that takes partitions
-  away. (Before 2026-12-01 the ack that found a commit due waited for it.) Measured at
-  2,000 events/s on one host, the default's commit per ack does not slow delivery: paired
-  trainers, one committing per ack, one every 100 ms, had the same p50 and p99
-  (BENCHMARKS.md, "Live latency"); over a network each commit costs the trainer a round trip.
+  beyond that point are stored in the commit's metadata, so nothing acknowledged is lost,
+  in either commit style below.
+* **Coalesced commits** (the default, ``commit_every_ms=100``): ``ack`` returns at once and
+  what is acknowledged is committed at most once per N ms, one commit in flight; a crash
+  re-delivers at most the acknowledgements made since the last commit. The ack that finds a
+  commit due starts it (and gives it a few turns of the event loop, once per commit), so a
+  loop that trains without awaiting still commits every N ms; a committer task commits the
+  last acknowledgements. ``await client.commit()`` returns once everything acknowledged so
+  far is committed (before saving a checkpoint, say); ``stop()`` commits too, and so does a
+  rebalance that takes partitions away.
+* **Per-ack commits** (``commit_every_ms=0``): every :meth:`ReplayClient.ack` returns once
+  its commit is done; a trainer that crashes and resumes sees neither a gap nor a second copy
+  of what it acknowledged. The default until 2026-12-05; bench/bench_trainer_commit.py
+  measured its cost: acknowledging live-sized (one-event) segments one by one, catch-up ran
+  ~17x slower than with a commit every 100 ms (90 % of the time inside ``ack``), ~1.8x
+  acknowledging whole episodes; over a network each commit costs the trainer a round trip.
+  At 2,000 events/s live the latency was the same (BENCHMARKS.md, "Live latency").
 * **Through rebalances** (a broker outage longer than the session timeout makes the consumer
   rejoin; a trainer joins or leaves the group): a commit refused meanwhile is made again once
   the group has settled (for up to :data:`REBALANCE_COMMIT_TIMEOUT_S`, then the call raises;
@@ -72,6 +77,14 @@ Guarantees
   segment on its own), counted in ``stats["stale_episodes_dropped"]`` /
   ``["stale_segments_dropped"]`` (``["stale_dropped"]``: their events). ``max_staleness``
   without ``current_policy_version`` is a ``ValueError``.
+
+* **Waits and outages** (``notices.py``, ``ratelimit.py``): a named task still without a
+  replay topic after 30 s, a new group, a wait of more than 3 s to join the group are each
+  logged (WARNING) with what to do; during a broker outage the Kafka client's own messages
+  are held back: one line when it starts failing, a summary every 30 s, one when it works
+  again. :meth:`ReplayClient.stop` / :meth:`SyncReplayClient.close` never raise (but the
+  caller's own cancellation); the last commit is given up after
+  :data:`STOP_COMMIT_TIMEOUT_S`.
 
 Subscription and start position
 -------------------------------
@@ -142,7 +155,8 @@ FLOW_CONTROL_TIMEOUT_S = 300.0
 """The default ``flow_control_timeout_s``: aiokafka's ``max_poll_interval_ms``, the longest a
 member may go without fetching before the group takes it out."""
 DEFAULT_COMMIT_EVERY_MS = 100.0
-"""The default ``commit_every_ms`` (see "Commit styles" in the module docstring)."""
+"""The default ``commit_every_ms``: coalesced commits (see the module docstring), chosen by
+bench/bench_trainer_commit.py."""
 STOP_COMMIT_TIMEOUT_S = 10.0
 """How long ``stop()`` tries its last commit (the broker away: aiokafka retries for ever)."""
 _METADATA_LIMIT = 3500  # below Kafka's default offset.metadata.max.bytes (4096)
@@ -346,12 +360,18 @@ class ReplayClient:
         ``start``: ``"resume"`` (default), ``"earliest"``, ``"latest"`` or a time; see
         "Subscription and start position" in the module docstring.
 
-        ``commit_every_ms=0`` commits at every acknowledgement (``ack`` returns once it is
-        committed): after a crash the trainer resumes exactly after its last
-        acknowledgement. A positive value commits in the background, at most once per that
-        interval (``ack`` never waits), at the price of re-delivering up to that interval's
-        acknowledged segments after a crash; :meth:`commit` waits for everything
-        acknowledged.
+        ``commit_every_ms`` (default :data:`DEFAULT_COMMIT_EVERY_MS`, 100) commits what is
+        acknowledged at most once per that interval (``ack`` does not wait), at the price of
+        re-delivering up to that interval's acknowledged segments after a crash;
+        :meth:`commit` waits for everything acknowledged. ``0`` commits at every
+        acknowledgement (``ack`` returns once it is committed): after a crash the trainer
+        resumes exactly after its last acknowledgement.
+
+        ``group_instance_id``: static group membership (Kafka's ``group.instance.id``): a
+        trainer restarted with the same id takes its previous run's place in the group at
+        once, instead of waiting for that run's session to time out (10 s). Unique per
+        trainer process of the group. A member with one sends no LeaveGroup when it stops: its
+        partitions wait for it for the session timeout.
 
         ``max_in_flight`` / ``flow_control_timeout_s``: see "Flow control" in the module
         docstring. A loop held at the limit logs a WARNING naming it while it waits, and
