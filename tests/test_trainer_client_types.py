@@ -92,7 +92,7 @@ with SyncReplayClient(["web-shop"], group_id="trainer-typed", commit_every_ms=10
 '''
 
 _BAD = '''
-from trajbus.consumers.replay.client import SyncReplayClient
+from trajbus import SyncReplayClient  # the public API's path: typed too
 
 client = SyncReplayClient(["web-shop"], group_id=7)
 client.ack("episode")
