@@ -111,8 +111,9 @@ def test_the_default_commit_style_is_the_measured_one() -> None:
     """bench/bench_trainer_commit.py (BENCHMARKS.md "trainer_commit"): with live-sized
     segments acknowledged one by one, a commit per ack made catch-up 9.5x-17x slower than a
     commit every 100 ms (1.4k-1.5k vs 13k-28k events/s here) and spent 90 % of the time in
-    ``ack()``; per episode up to ~1.8x. The default is the coalesced style; ``commit_every_ms=0`` keeps the
-    per-ack one (a crash then re-delivers nothing acknowledged)."""
+    ``ack()``; per episode up to ~1.8x. The default is the coalesced style;
+    ``commit_every_ms=0`` keeps the per-ack one (a crash then re-delivers nothing
+    acknowledged)."""
     assert client_module.DEFAULT_COMMIT_EVERY_MS == 100
     import inspect
 
