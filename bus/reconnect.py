@@ -104,6 +104,10 @@ class ReconnectBackoff:
     def succeeded(self, address: Address) -> None:
         self._addresses.pop(address, None)
 
+    def failing_addresses(self) -> int:
+        """How many addresses' last connection attempt failed (0: none failing now)."""
+        return sum(1 for state in self._addresses.values() if state.failures)
+
     def failures(self, address: Address) -> int:
         state = self._addresses.get(address)
         return state.failures if state is not None else 0
