@@ -392,7 +392,8 @@ async def retry_while_broker_restarts(
         patience_s: Callable[[], float], what: str) -> T:
     """Run ``attempt`` until it succeeds, retrying its ``transient`` errors (a broker that is
     restarting) with a backoff from 0.25 s doubling to 2 s, until ``patience_s()`` seconds
-    have passed since the first try; then the last error is raised."""
+    have passed since the first try (the last wait is cut short so that one more try lands
+    at the deadline); then the last error is raised."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     delay = 0.25
@@ -400,9 +401,11 @@ async def retry_while_broker_restarts(
         try:
             return await attempt()
         except transient as exc:
-            if loop.time() - started + delay > patience_s():
+            remaining = patience_s() - (loop.time() - started)
+            if remaining <= 0:
                 raise
+            wait = min(delay, remaining)
             log.warning("%s: broker not ready (%s: %s); retrying in %.1fs",
-                        what, type(exc).__name__, exc, delay)
-            await asyncio.sleep(delay)
+                        what, type(exc).__name__, exc, wait)
+            await asyncio.sleep(wait)
             delay = min(2.0, delay * 2)

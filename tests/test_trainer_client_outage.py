@@ -130,3 +130,28 @@ async def test_an_outage_logs_a_bounded_number_of_lines(
     assert len(lines) <= 2 + 60 / 5 + 6, lines
     aiokafka_lines = [line for line in lines if line.startswith(("aiokafka", "kafka"))]
     assert len(aiokafka_lines) <= 6, aiokafka_lines
+
+
+def test_a_gate_left_by_clients_dropped_unclosed_does_not_leak_into_the_next() -> None:
+    """A client dropped without close() (its outage log still failing) must not make the next
+    client's outage start as "still failing after 244 s" (CI, 2026-12-05)."""
+
+    class Client:
+        pass
+
+    leaked = Client()
+    ratelimit.attach(leaked)
+    gate = ratelimit._gate
+    assert gate is not None
+    gate.core.message(0.0, "connection refused", "connection refused", True)
+    del leaked
+    import gc
+    gc.collect()
+    fresh = Client()
+    ratelimit.attach(fresh)
+    try:
+        assert ratelimit._gate is not None and ratelimit._gate is not gate
+        assert not ratelimit._gate.core.failing
+    finally:
+        ratelimit.detach(fresh)
+    assert ratelimit._gate is None

@@ -527,7 +527,7 @@ class ReplayClient:
                 await asyncio.sleep(1.0)
                 ratelimit.tick()
 
-        ratelimit.attach()  # the Kafka client's log during an outage (ratelimit.py)
+        ratelimit.attach(self)  # the Kafka client's log during an outage (ratelimit.py)
         self._watchers = [asyncio.create_task(c) for c in (
             outage_log_ticks(),
             new_group(),
@@ -542,7 +542,7 @@ class ReplayClient:
     async def _stop_watchers(self) -> None:
         watchers, self._watchers = self._watchers, []
         if watchers:
-            ratelimit.detach()
+            ratelimit.detach(self)
         for task in watchers:
             task.cancel()
         await asyncio.gather(*watchers, return_exceptions=True)

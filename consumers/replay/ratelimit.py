@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -110,20 +111,21 @@ class _Gate(logging.Filter):
 
     def tick(self) -> None:
         with self.lock:
-            lines = self.core.tick(time.monotonic(), _failing_addresses())
+            now = time.monotonic()
+            lines = self.core.tick(now, _failing_addresses(now))
         for line in lines:
             log.warning("%s", line)
 
 
-def _failing_addresses() -> int:
+def _failing_addresses(now: float) -> int:
     from trajbus.bus.reconnect import BACKOFF
 
-    return BACKOFF.failing_addresses()
+    return BACKOFF.failing_addresses(now)
 
 
 _lock = threading.Lock()
 _gate: _Gate | None = None
-_users = 0
+_users: weakref.WeakSet[object] = weakref.WeakSet()  # a client dropped unclosed stops counting
 _loggers: list[logging.Logger] = []
 
 
@@ -133,12 +135,23 @@ def _client_loggers() -> list[logging.Logger]:
     return [logging.getLogger(n) for n in sorted(set(names) | set(CLIENT_LOGGERS))]
 
 
-def attach() -> None:
-    """A trainer client starts: the first one puts the gate on the Kafka client's loggers
-    (unless ``aiokafka`` logs at DEBUG)."""
-    global _gate, _users, _loggers
+def _remove_gate() -> None:
+    global _gate, _loggers
+    if _gate is not None:
+        for logger in _loggers:
+            logger.removeFilter(_gate)
+    _gate, _loggers = None, []
+
+
+def attach(user: object) -> None:
+    """A trainer client starts: the first one puts a fresh gate on the Kafka client's loggers
+    (unless ``aiokafka`` logs at DEBUG). A gate left by clients that were dropped without
+    closing is replaced, so an outage they saw does not leak into this one's log."""
+    global _gate, _loggers
     with _lock:
-        _users += 1
+        if not _users:
+            _remove_gate()
+        _users.add(user)
         if _gate is not None or logging.getLogger("aiokafka").isEnabledFor(logging.DEBUG):
             return
         _gate = _Gate()
@@ -147,16 +160,12 @@ def attach() -> None:
             logger.addFilter(_gate)
 
 
-def detach() -> None:
+def detach(user: object) -> None:
     """A trainer client stopped: the last one takes the gate off."""
-    global _gate, _users, _loggers
     with _lock:
-        _users = max(0, _users - 1)
-        if _users or _gate is None:
-            return
-        for logger in _loggers:
-            logger.removeFilter(_gate)
-        _gate, _loggers = None, []
+        _users.discard(user)
+        if not _users:
+            _remove_gate()
 
 
 def tick() -> None:
