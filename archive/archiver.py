@@ -96,6 +96,24 @@ class ArchiverStats:
     note: str | None = None  # why the archiver had nothing to do, when it had nothing to do
 
 
+@dataclass
+class ArchiverState:
+    """What ``/readyz`` of ``trajbus archive run`` reports, kept current by :func:`run_archiver`:
+    ready once its consumer started, the group assigned it partitions (possibly none, in a
+    group with more members than partitions) and every one is set up (batch markers read)."""
+
+    started: bool = False
+    assigned: int | None = None  # partitions of the last assignment; None: none yet
+    setting_up: int = 0  # assigned partitions whose store state is still being read
+    stopping: bool = False
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        ok = (self.started and self.assigned is not None and self.setting_up == 0
+              and not self.stopping)
+        return ok, {"started": self.started, "assigned_partitions": self.assigned,
+                    "setting_up": self.setting_up, "stopping": self.stopping}
+
+
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -115,6 +133,7 @@ class ArchiveShell:
         self._conflict_spools: dict[tuple[str, int], Spool] = {}
         self.dedupe = Deduper(store, max_keys=dedupe_max_keys)
         self.watermark_ms: int | None = None
+        self.newest_written_ms = 0  # the newest event time in a batch written (metrics)
         self.rows = 0
         self.duplicates = 0  # re-sent copies dropped
         self.conflicts = 0  # conflicting copies sent to conflicts/
@@ -202,6 +221,8 @@ class ArchiveShell:
             result = self.writer.write_batch(table, f.topic, f.partition, f.first_offset,
                                              f.last_offset, conflicts=conflicts)
             out.batches.append(result)
+            if f.max_event_time_ms is not None and f.max_event_time_ms > self.newest_written_ms:
+                self.newest_written_ms = f.max_event_time_ms
             self.dedupe.flushed(f.topic, f.partition, f.last_offset, _index_refs(result))
 
     def assigned(self, topic: str, partition: int, committed: int) -> list[tuple[int, int]]:
@@ -307,7 +328,8 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
                        topics: list[str] | None = None,
                        codec: Codec | None = None,
                        poll_timeout_ms: int = 500,
-                       assignment_timeout_s: float = 60.0) -> ArchiverStats:
+                       assignment_timeout_s: float = 60.0,
+                       state: ArchiverState | None = None) -> ArchiverStats:
     """Archive the raw event topics until ``stop_event`` is set (or, with ``until_idle``,
     until every assigned partition is caught up with its end offset at start). On exit the
     open batches are flushed and committed.
@@ -319,7 +341,9 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
     from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
     from aiokafka.errors import CommitFailedError
 
+    from trajbus.archive import metrics
     from trajbus.bus.kafka import connection_options
+    from trajbus.bus.ops import export_lag
 
     cfg = settings.archive
     catalog = Topics(settings)
@@ -335,6 +359,13 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
     loop = asyncio.get_running_loop()
     shell = await loop.run_in_executor(executor, lambda: ArchiveShell(store, cfg, codec))
     stats = ArchiverStats(group_id=group_id, destination=dest.url)
+    st: ArchiverState = state or ArchiverState()
+    newest_ms = [0]  # the newest archived (written and committed) event time
+    metrics.track_freshness(group_id, newest_ms)
+    for counter in (metrics.BATCHES, metrics.OBJECTS, metrics.ROWS, metrics.BYTES):
+        counter.labels(group_id)  # shown as 0 from the start
+    for kind in ("transient", "gave_up"):
+        metrics.STORE_ERRORS.labels(kind)
     log.info("archiving %s into %s as consumer group %s", topics, dest.url, group_id)
 
     consumer = AIOKafkaConsumer(
@@ -369,6 +400,11 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
             # No store I/O here: listing batch markers may wait out an S3 outage, and a
             # callback that blocks the join gets the member expired. The main loop sets up.
             to_set_up.update(assigned)
+            st.assigned = len(assigned)
+            st.setting_up = len(to_set_up)
+            logging.getLogger("trajbus.ops").info(
+                "archiver (group %s): assigned %d partitions %s", group_id, len(assigned),
+                ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(assigned)) or "none")
 
     async def set_up(tp: Any) -> None:
         """Reset the shell's state of ``tp`` to its committed offset (replaying the batch
@@ -382,6 +418,7 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
         if tp not in to_set_up:  # revoked while the store was being read
             return
         to_set_up.discard(tp)
+        st.setting_up = len(to_set_up)
         consumer.seek(tp, committed)
         ready.add(tp)
         if pending:
@@ -419,6 +456,15 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
             stats.committed[f"{tp.topic}:{tp.partition}"] = off
             group_committed[tp] = off
         await call_shell(shell.committed, step.batches)
+        metrics.LAST_COMMIT.labels(group_id).set_to_current_time()
+        for b in step.batches:
+            metrics.BATCHES.labels(group_id).inc()
+            metrics.OBJECTS.labels(group_id).inc(len(b.objects))
+            metrics.ROWS.labels(group_id).inc(sum(o.rows for o in b.objects))
+            metrics.BYTES.labels(group_id).inc(sum(o.bytes for o in b.objects))
+        if shell.newest_written_ms > newest_ms[0]:
+            newest_ms[0] = shell.newest_written_ms
+            metrics.NEWEST_EVENT.labels(group_id).set(newest_ms[0] / 1000)
 
     last_idle_commit = 0.0
 
@@ -480,6 +526,8 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
         log.info("%s", stats.note)
 
     await consumer.start()
+    st.started = True
+    lag = asyncio.create_task(export_lag(group_id, consumer))
     try:
         consumer.subscribe(topics, listener=Listener())
         ends: dict[Any, int] = {}
@@ -502,6 +550,8 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
             step = await call_shell(shell.process, records)
             await finish(step)
             await commit_idle()
+            metrics.OPEN_ROWS.labels(group_id).set(
+                sum(b[2] for b in shell.batcher.open_batches().values()))
             if until_idle:
                 assignment = consumer.assignment()
                 if not assignment:
@@ -534,6 +584,8 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
         await finish(await call_shell(shell.flush_all))
         stats.duplicates, stats.conflicts = shell.duplicates, shell.conflicts
     finally:
+        st.stopping = True
+        lag.cancel()
         try:
             await close_client(consumer, "archiver consumer")
         finally:

@@ -279,6 +279,9 @@ class Settings(BaseSettings):
     replay: ReplaySettings = Field(default_factory=ReplaySettings)
     archive: ArchiveSettings = Field(default_factory=ArchiveSettings)
     state_dir: Path = Path(".trajbus/state")
+    # The log of the long-running processes (worker, archive run): text lines, or one JSON
+    # object per line for log shippers (TRAJBUS_LOG_FORMAT=json, or --log-format json).
+    log_format: Literal["text", "json"] = "text"
 
 
 class SettingsError(UserError, ValueError):
