@@ -110,8 +110,8 @@ class OpsServer:
         return 200, {"status": "ok", "loop_silent_s": round(age, 3)}
 
     def readiness(self) -> tuple[int, dict[str, Any]]:
-        if self.ready is None:
-            return 200, {"status": "ready"}
+        if self.ready is None:  # the process has not got as far as its clients yet
+            return 503, {"status": "not ready", "starting": True}
         try:
             ok, detail = self.ready()
         except Exception as exc:  # a probe never takes the process down

@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,7 +108,7 @@ def processes(kafka_broker: Any, tmp_path_factory: pytest.TempPathFactory
               ) -> Iterator[dict[str, Running]]:
     """A worker (reorder, watchdog, scheduler; no -v; JSON log) and an archiver."""
     tmp = tmp_path_factory.mktemp("ops")
-    prefix = f"t-ops-{int(time.time() * 1000) % 10**8}"
+    prefix = f"t-ops-{uuid.uuid4().hex[:8]}"
     settings = settings_for(kafka_broker.bootstrap, prefix)
     env = env_for(settings, TRAJBUS_LOG_FORMAT="json", TRAJBUS_STATE_DIR=str(tmp / "state"),
                   TRAJBUS_ARCHIVE__URL=str(tmp / "archive"),
@@ -204,3 +205,49 @@ def test_healthz_fails_while_the_event_loop_is_blocked() -> None:
     assert got["metrics"][0] == 200
     assert got["after"][0] == 200
     assert got["ready"][0] == 503 and json.loads(got["ready"][1])["why"] == "restoring"
+
+
+MONITORING = REPO / "infra" / "monitoring"
+
+
+def _queries() -> dict[str, list[str]]:
+    import yaml
+
+    rules = yaml.safe_load((MONITORING / "trajbus-alerts.yml").read_text())
+    dash = json.loads((MONITORING / "trajbus-dashboard.json").read_text())
+    return {
+        "rules": [r["expr"] for g in rules["groups"] for r in g["rules"]],
+        "dashboard": [t["expr"] for p in dash["panels"] for t in p.get("targets", [])],
+    }
+
+
+def test_the_alert_rules_pass_promtool() -> None:
+    import shutil
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("no promtool (Debian/Ubuntu: apt-get install prometheus; `make setup` "
+                    "installs it as root); the metric names are still checked below")
+    got = subprocess.run([promtool, "check", "rules", str(MONITORING / "trajbus-alerts.yml")],
+                         capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stdout + got.stderr
+
+
+def test_every_metric_the_rules_and_dashboard_query_is_exported(
+        processes: dict[str, Running]) -> None:
+    """The rules and the dashboard shipped in infra/monitoring/ query only names that a
+    running worker or archiver exports (scraped from their /metrics), so a renamed metric
+    cannot leave an alert that never fires."""
+    import re
+
+    exported: set[str] = set()
+    for r in processes.values():
+        wait_for(r.port, "/readyz", 200, r.proc, r.log)
+        exported |= exported_names(get(r.port, "/metrics")[1])
+    queries = _queries()
+    assert len(queries["rules"]) >= 10 and len(queries["dashboard"]) >= 15
+    for where, exprs in queries.items():
+        used = {n for e in exprs for n in re.findall(r"\btrajbus_[a-z0-9_]+", e)}
+        assert used, where
+        missing = sorted(used - exported)
+        assert not missing, f"{where} query metrics nobody exports: {missing}"
