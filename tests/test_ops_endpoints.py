@@ -84,6 +84,7 @@ class Running:
     proc: subprocess.Popen[bytes]
     port: int
     log: Path
+    env: dict[str, str]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -100,7 +101,7 @@ def _start(args: list[str], env: dict[str, str], log: Path) -> Running:
     out = open(log, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "trajbus", *args, "--metrics-port",
                              str(port)], env=env, cwd=REPO, stdout=out, stderr=out)
-    return Running(proc, port, log)
+    return Running(proc, port, log, env)
 
 
 @pytest.fixture(scope="module")
@@ -251,3 +252,18 @@ def test_every_metric_the_rules_and_dashboard_query_is_exported(
         assert used, where
         missing = sorted(used - exported)
         assert not missing, f"{where} query metrics nobody exports: {missing}"
+
+
+def test_status_lists_the_archiver_with_its_members_and_lag(
+        processes: dict[str, Running]) -> None:
+    """`trajbus status` shows the archiver's consumer group like a processor's (it was not
+    listed at all)."""
+    r = processes["archiver"]
+    wait_for(r.port, "/readyz", 200, r.proc, r.log)
+    got = subprocess.run([sys.executable, "-m", "trajbus", "status"], env=r.env, cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("archivers (lag"))
+    assert "archiver.local." in lines[at + 1] and "1 live member" in lines[at + 1], got.stdout
+    assert "sandbox.events [0-1]" in lines[at + 2], got.stdout
