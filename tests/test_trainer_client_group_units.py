@@ -203,3 +203,31 @@ def test_ack_says_whether_it_counts(strict: bool) -> None:
 
     kept, moved = asyncio.run(run())
     assert kept is True and moved is False
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_coalesced_ack_during_a_rebalance_waits_for_its_outcome(kept: bool) -> None:
+    """From the start of a revocation (whose commit may be made already, without this ack)
+    until the new assignment, an ack cannot promise anything: it returns once the group has
+    settled -- True if the partition stayed, False if it went (before, an ack made while the
+    revocation's commit was under way returned True and went with the partition: the drill
+    saw such an episode acknowledged by both members)."""
+
+    async def run() -> bool:
+        client = ReplayClient("t", "g", commit_every_ms=50)
+        client._progress[TP] = _PartitionProgress(0, epoch=1)
+        client._handed_out[TP] = {0: 0}
+        client._in_flight = 1
+        client._settled.clear()  # a revocation has begun
+        client._committer = asyncio.create_task(asyncio.sleep(3600))  # no commit here
+        ack = asyncio.create_task(client.ack(seg(0, 0, 0, offset=0, tenure=1)))
+        await asyncio.sleep(0.05)
+        assert not ack.done()
+        if not kept:
+            client._lose([TP])
+        client._settled.set()  # the new assignment
+        result = await asyncio.wait_for(ack, 5)
+        client._committer.cancel()
+        return result
+
+    assert asyncio.run(run()) is kept

@@ -297,6 +297,8 @@ class _PartitionProgress:
         self._prune_at = 1024
         self.acks = 0  # acknowledgements recorded (each new one counts)
         self.durable = 0  # of those, how many a successful commit carried
+        self.promised = 0  # of those, how many an ack() returned True for before a commit
+        # carried them (coalesced commits)
         self.last_committed: tuple[int, str] | None = None  # (offset, metadata) the group
         # has from this tenure (or had when it began)
         self.metadata_cut = 0  # runs left out of the last metadata (too long)
@@ -966,17 +968,17 @@ class ReplayClient:
             return
         for tp in lost:
             progress = self._progress.pop(tp, None)
-            if progress is not None and progress.durable < progress.acks:
-                # acknowledged, but no commit carried them before the partition went (a
-                # revocation's commit failed): its next reader delivers them again. With
-                # per-ack commits those ack() calls return False; coalesced ones had
-                # returned True: worth a warning
-                lost_acks = progress.acks - progress.durable
+            if progress is not None and progress.durable < progress.promised:
+                # acknowledged (coalesced commits: ack() returned True), but no commit
+                # carried them before the partition went -- the revocation's commit failed:
+                # its next reader delivers them again. (Those whose ack() has not returned
+                # yet return False.)
+                lost_acks = progress.promised - progress.durable
                 self.stats["acks_lost_in_rebalance"] += lost_acks
-                log.log(logging.INFO if self.strict_commits else logging.WARNING,
-                        "replay client %s: %d acknowledgement(s) on %s were not committed "
-                        "before the partition went to another member; it delivers them again",
-                        self.group_id, lost_acks, tp)
+                log.warning("replay client %s: %d acknowledged offset(s) of %s were not "
+                            "committed before the partition went to another member (the "
+                            "commit at revocation failed); it delivers them again",
+                            self.group_id, lost_acks, tp)
         self._drop_open_episodes(lost)
         read = self._reading
         for tp in lost:
@@ -1066,10 +1068,16 @@ class ReplayClient:
             return False
         if self.strict_commits:
             return all(progress.durable >= n for _, progress, n in tickets)
-        if self._rebalancing:  # a rebalance under way decides whether the partition stays
+        if not self._settled.is_set():
+            # a rebalance under way (from the start of the revocation, whose commit may
+            # already be made without this ack) decides whether the partition stays
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._settled.wait(), REBALANCE_COMMIT_TIMEOUT_S)
-        return all(self._progress.get(tp) is progress for tp, progress, _ in tickets)
+        if not all(self._progress.get(tp) is progress for tp, progress, _ in tickets):
+            return False
+        for _, progress, n in tickets:
+            progress.promised = max(progress.promised, n)
+        return True
 
     def _acknowledge(self, item: Segment | Episode, by_trainer: bool
                      ) -> list[tuple[TopicPartition, _PartitionProgress, int]] | None:
@@ -1399,9 +1407,12 @@ class _StartAt(ConsumerRebalanceListener):
         client._revocations += 1
         client._settled.clear()
         if client._commit_error is None:
-            with contextlib.suppress(Exception):
+            try:
                 await asyncio.wait_for(client._commit_acknowledged(retry_rebalance=False),
                                        _REVOKE_COMMIT_TIMEOUT_S)
+            except Exception as exc:  # the next owner reads from the group's last commit
+                log.warning("replay client %s: the commit at revocation failed (%s: %s)",
+                            client.group_id, type(exc).__name__, exc)
         client._rebalancing = True
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
