@@ -32,6 +32,17 @@ Guarantees
   rejoin makes the consumer read it again; a partition that moved to another member is read
   on by that member from the group's commit (what was acknowledged here but not yet committed
   is delivered there again).
+* **A group of trainers** (one ``group_id``, members joining and leaving): an acknowledged
+  episode is never delivered again to another member. :meth:`ReplayClient.ack` returns
+  True when the acknowledgement is the group's (per-ack: committed; coalesced: the
+  partition is still this member's, its commits carry it), False when the partition went
+  to another member since the item was handed out (that member delivers it again, whole).
+  The commit's metadata names every run of offsets acknowledged beyond the commit point
+  (compactly: thousands of live segments fit), and a member taking a partition reads it;
+  the commit point never passes the first segment of an episode not acknowledged, so a
+  partition moved mid-episode never yields a fragment. ``Episode.complete`` is False
+  (``fragment_reason``) for an episode read from after its first segment (a start
+  position inside it, retention) or missing one.
 * **Leaving a loop early** (``break`` after a batch of episodes, an exception in the loop):
   the next iterator of the client reads again what the last one had fetched from Kafka but
   not handed out -- the segments of episodes it had not completed, the rest of its last
