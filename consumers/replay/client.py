@@ -1084,7 +1084,10 @@ class ReplayClient:
             # already be made without this ack) decides whether the partition stays
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._settled.wait(), REBALANCE_COMMIT_TIMEOUT_S)
-        if not all(self._progress.get(tp) is progress for tp, progress, _ in tickets):
+        # the group's if a commit carried it (the revocation's may have, before the
+        # partition went), or if the partition is still this member's (its commits will)
+        if not all(progress.durable >= n or self._progress.get(tp) is progress
+                   for tp, progress, n in tickets):
             return False
         for _, progress, n in tickets:
             progress.promised = max(progress.promised, n)
