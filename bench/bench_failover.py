@@ -65,10 +65,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
            "TRAJBUS_TOPICS__REPLICATION_FACTOR": "3"}
     worker_log = open(work / "worker.log", "ab")
     worker = subprocess.Popen([sys.executable, "-m", "trajbus", "worker", "--processors",
-                               "reorder", "--worker-id", "bench"], env=env,
+                               "reorder", "--worker-id", "bench", "-v"], env=env,
                               stdout=worker_log, stderr=worker_log)
     per_round_s = 40.0
-    events = int(args.rate * (per_round_s * args.rounds + 15))
+    # enough events for the warm-up, every round and its settling time, and a margin: a
+    # producer that ran dry would look like a stream that never recovered
+    events = int(args.rate * (12 + (per_round_s + 12) * args.rounds + 30))
     producer = subprocess.Popen(
         [sys.executable, str(HERE / "bench_e2e.py"), "--produce", "--bootstrap",
          cluster.bootstrap, "--prefix", prefix, "--task", task, "--phase", "fo",
@@ -102,8 +104,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(10)
             await asyncio.to_thread(cluster.start_node, node, 120)
             await asyncio.sleep(per_round_s - 10 - 12)
+            measured_ms = time.time() * 1000
             after = sorted(t for t, _ in receipts if t >= kill_ms - 1000)
-            marks = [kill_ms, *[t for t in after if t >= kill_ms]]
+            # a stall still going on when the round is measured counts up to that moment
+            marks = [kill_ms, *[t for t in after if t >= kill_ms], measured_ms]
             stall = max((b - a for a, b in itertools.pairwise(marks)), default=None)
             post = [t for t, ev_t in receipts if ev_t >= kill_ms]
             rounds.append({"round": r + 1, "node": node,

@@ -47,6 +47,9 @@ BENCHES: dict[str, tuple[str, list[str], list[str], bool]] = {
                                                          "--repeat", "1"], False),
     "rebalance": ("bench_rebalance.py", [], ["--episodes", "3000", "--steady", "10", "--hold",
                                              "12", "--window", "8"], True),
+    # the trainer client's commit styles (issue 41): per-ack vs coalesced, catch-up events/s
+    "trainer_commit": ("bench_trainer_commit.py", [], ["--episodes", "300", "--repeat", "1"],
+                       True),
     # its own 3-node cluster: the failover of a replicated cluster is what it measures
     "failover": ("bench_failover.py", [], ["--rounds", "2"], False),
 }
@@ -111,7 +114,9 @@ def run(names: list[str], quick: bool) -> dict[str, Any]:
                 data = json.loads(out.read_text())
             if proc.returncode not in (0, 1) or not data:
                 data = {"error": f"exit {proc.returncode}", "stderr": proc.stderr[-1500:]}
-            data["_command"] = " ".join(["python", *cmd[1:]]).replace(bootstrap, "$BROKER")
+            command = " ".join(["python", *cmd[1:]])
+            # (no shared broker when only self-contained benchmarks run: "" must not be replaced)
+            data["_command"] = command.replace(bootstrap, "$BROKER") if bootstrap else command
             data["_seconds"] = round(took, 1)
             data["_ran_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             data["_load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())

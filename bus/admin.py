@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 # currently fenced" (INVALID_REPLICATION_FACTOR, 38) although nothing is misconfigured. They
 # pass: ensure_topics retries them, as it retries a connection lost on the way.
 _TRANSIENT_CREATE_ERRORS = {7, 8, 41}  # REQUEST_TIMED_OUT, BROKER_NOT_AVAILABLE, NOT_CONTROLLER
+_INVALID_REPLICATION_FACTOR = 38
 _FENCED = "fenced"
 # How long ensure_topics rides out such a broker (a restart takes ~5-30 s) before it gives up
 # with BrokerUnavailableError, which a supervisor answers by restarting the process.
@@ -129,6 +130,12 @@ async def _ensure_topics_once(settings: Settings, specs: list[TopicSpec], answer
                     text = f"creating topic {name}: error {code} {rest}"
                     if code in _TRANSIENT_CREATE_ERRORS or _FENCED in str(rest):
                         raise _TransientCreateError(text)
+                    if code == _INVALID_REPLICATION_FACTOR:
+                        # the check above saw enough brokers, the controller does not: a
+                        # node fenced in a rolling restart (waited for like a restart)
+                        raise _ShortOfBrokers(
+                            f"{text}; the cluster has fewer live brokers than "
+                            f"TRAJBUS_TOPICS__REPLICATION_FACTOR={rf}")
                     raise RuntimeError(text)
             except TopicAlreadyExistsError:
                 pass  # raced with another creator: fine

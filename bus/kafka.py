@@ -37,17 +37,36 @@ class BrokerAuthenticationError(BrokerUnavailableError):
 
 
 # bootstrap list -> the same hosts, those that answered the start-up check first (see
-# order_bootstrap): aiokafka bootstraps from the hosts in order, and a node that accepts
-# connections but answers nothing (paused, overloaded) holds each client's start for its
-# request timeout before the next host is tried
+# order_bootstrap): a node that accepts connections but answers nothing (paused, overloaded)
+# holds a client's start for its request timeout before the next host is tried. aiokafka
+# shuffles the bootstrap hosts (collect_hosts(randomize=True)); _keep_chosen_order makes it
+# keep the order of the lists chosen here.
 _BOOTSTRAP_ORDER: dict[str, str] = {}
 _BOOTSTRAP_GRACE_S = 0.5
+
+
+def _keep_chosen_order() -> None:
+    """Once per process: aiokafka's clients bootstrap from a list in ``_BOOTSTRAP_ORDER``'s
+    values in that order (other lists are still shuffled, as aiokafka does)."""
+    import aiokafka.client as aiokafka_client
+
+    original = aiokafka_client.collect_hosts
+    if getattr(original, "_trajbus_ordered", False):
+        return
+
+    def collect_hosts(hosts: Any, randomize: bool = True) -> Any:
+        chosen = isinstance(hosts, str) and hosts in _BOOTSTRAP_ORDER.values()
+        return original(hosts, randomize=randomize and not chosen)
+
+    collect_hosts._trajbus_ordered = True  # type: ignore[attr-defined]
+    aiokafka_client.collect_hosts = collect_hosts
 
 
 def connection_options(k: KafkaSettings) -> dict[str, Any]:
     """Options common to aiokafka producers, consumers and admin clients. Building them also
     applies the reconnect backoff to the process's aiokafka clients (``bus/reconnect.py``)."""
     install_reconnect_backoff(k.reconnect_backoff_ms, k.reconnect_backoff_max_ms)
+    _keep_chosen_order()
     opts: dict[str, Any] = {
         "bootstrap_servers": _BOOTSTRAP_ORDER.get(k.bootstrap_servers, k.bootstrap_servers),
         "security_protocol": k.security_protocol,
@@ -74,6 +93,12 @@ def connection_options(k: KafkaSettings) -> dict[str, Any]:
 
 #: How long an admin request waits for a connection to one node before it tries another.
 NODE_READY_TIMEOUT_S = 3.0
+#: How long a request that any node may answer (metadata, describe) waits for one node's
+#: answer before it asks another: a frozen node accepts the connection and never answers.
+NODE_ANSWER_TIMEOUT_S = 5.0
+#: Nodes that did not answer in time are asked last for this long (monotonic seconds).
+_SILENT_FOR_S = 60.0
+_silent_nodes: dict[tuple[str, int], float] = {}
 
 
 class ClusterAdminClient(AIOKafkaAdminClient):
@@ -85,21 +110,35 @@ class ClusterAdminClient(AIOKafkaAdminClient):
     async def _send_request(self, request: Any, node_id: int | None = None) -> Any:
         if node_id is not None:
             return await super()._send_request(request, node_id)
-        nodes = [b.nodeId for b in self._client.cluster.brokers()]
+        cluster = self._client.cluster
+        nodes = [b.nodeId for b in cluster.brokers()]
         random.shuffle(nodes)
         conns = self._client._conns
-        # nodes already connected first: a new connection to a node that is frozen (SIGSTOP,
-        # a long GC pause) is accepted by its kernel and then answers nothing
-        nodes.sort(key=lambda n: not any(key[0] == n and conn.connected()
-                                         for key, conn in conns.items()))
+        now = time.monotonic()
+
+        def address(n: int) -> tuple[str, int]:
+            b = cluster.broker_metadata(n)
+            return (b.host, b.port) if b is not None else ("", n)
+
+        # nodes that recently did not answer go last, nodes already connected first: a new
+        # connection to a node that is frozen (SIGSTOP, a long GC pause) is accepted by its
+        # kernel and then answers nothing
+        nodes.sort(key=lambda n: (_silent_nodes.get(address(n), 0.0) > now,
+                                  not any(key[0] == n and conn.connected()
+                                          for key, conn in conns.items())))
         last: Exception | None = None
         for node in nodes or [self._client.get_random_node()]:
             try:
                 if not await asyncio.wait_for(self._client.ready(node), NODE_READY_TIMEOUT_S):
                     continue
-                return await self._client.send(node, request)
-            except (KafkaConnectionError, NodeNotReadyError, RequestTimedOutError,
-                    TimeoutError) as exc:
+                answer = await asyncio.wait_for(self._client.send(node, request),
+                                                NODE_ANSWER_TIMEOUT_S)
+                _silent_nodes.pop(address(node), None)
+                return answer
+            except TimeoutError as exc:
+                _silent_nodes[address(node)] = time.monotonic() + _SILENT_FOR_S
+                last = exc  # that node is frozen or overloaded: the next one
+            except (KafkaConnectionError, NodeNotReadyError, RequestTimedOutError) as exc:
                 last = exc  # that node went away: the next one
         if last is not None:
             raise last
@@ -193,6 +232,16 @@ async def check_broker(k: KafkaSettings) -> list[str]:
                 "and TRAJBUS_KAFKA__SSL_KEYFILE (a certificate its CA trusts)."
             ) from exc
         waited = time.monotonic() - started
+        listening = [a for a in k.bootstrap_servers.split(",") if await _accepts_tcp(a)]
+        if listening and len(listening) == len(k.bootstrap_servers.split(",")) \
+                and waited < 0.9 * k.connect_timeout_s:
+            raise BrokerUnavailableError(
+                f"{', '.join(a.strip() for a in listening)} accepted a connection but did not "
+                f"answer as a Kafka broker ({_plain(exc)}): is it a KRaft controller port "
+                "(controller.listener.names) or another service? Point "
+                "TRAJBUS_KAFKA__BOOTSTRAP_SERVERS at the brokers' client listener (9092 for "
+                "`trajbus kafka up`)."
+            ) from exc
         how = (f"within {k.connect_timeout_s:.0f}s" if waited >= 0.9 * k.connect_timeout_s
                else f"(refused after {waited:.1f}s)")
         raise BrokerUnavailableError(
@@ -203,6 +252,19 @@ async def check_broker(k: KafkaSettings) -> list[str]:
     finally:
         await admin.close()
     return sorted(topics)
+
+
+async def _accepts_tcp(address: str, timeout: float = 2.0) -> bool:
+    """Whether ``host:port`` accepts a TCP connection (something listens there)."""
+    host, _, port = address.strip().rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout)
+    except (TimeoutError, OSError, ValueError):
+        return False
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+    return True
 
 
 async def _tls_refusal(k: KafkaSettings) -> str | None:
@@ -353,7 +415,8 @@ async def retry_while_broker_restarts(
         patience_s: Callable[[], float], what: str) -> T:
     """Run ``attempt`` until it succeeds, retrying its ``transient`` errors (a broker that is
     restarting) with a backoff from 0.25 s doubling to 2 s, until ``patience_s()`` seconds
-    have passed since the first try; then the last error is raised."""
+    have passed since the first try (the last wait is cut short so that one more try lands
+    at the deadline); then the last error is raised."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     delay = 0.25
@@ -361,9 +424,11 @@ async def retry_while_broker_restarts(
         try:
             return await attempt()
         except transient as exc:
-            if loop.time() - started + delay > patience_s():
+            remaining = patience_s() - (loop.time() - started)
+            if remaining <= 0:
                 raise
+            wait = min(delay, remaining)
             log.warning("%s: broker not ready (%s: %s); retrying in %.1fs",
-                        what, type(exc).__name__, exc, delay)
-            await asyncio.sleep(delay)
+                        what, type(exc).__name__, exc, wait)
+            await asyncio.sleep(wait)
             delay = min(2.0, delay * 2)

@@ -103,6 +103,10 @@ class SimConfig:
     wait_for_placement: bool = True
     first_decision_timeout_s: float = 120.0  # no decision about a request by then: an error
     placement_timeout_s: float = 600.0  # not placed by then (from the request): an error
+    # Closed loop: a sandbox that ran a looping episode waits up to this long, before it
+    # drains, for the scheduler's TERMINATE about it, and acknowledges it (DecisionAck), as a
+    # runtime that stops the agent would; 0: never waits (it acknowledges one seen already).
+    terminate_wait_s: float = 30.0
 
 
 class PlacementError(RuntimeError):
@@ -133,6 +137,8 @@ class Manifest:
     blobs: int
     # closed loop: sandbox -> {"decisions": [kinds in order], "node", "waited_s"}
     placements: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # closed loop: sandbox -> event id of the scheduler's TERMINATE it acknowledged
+    terminate_acks: dict[str, str] = field(default_factory=dict)
 
     @property
     def loops(self) -> list[EpisodeRecord]:
@@ -152,6 +158,7 @@ class Manifest:
             "events_acked": self.events_acked,
             "blobs": self.blobs,
             "placements": self.placements,
+            "terminate_acks": self.terminate_acks,
         }
 
     def write(self, path: str | Path) -> None:
@@ -181,6 +188,7 @@ class _Sandbox:
         self.next_hb = self.clock
         self.next_probe = self.clock
         self.incarnation = 0
+        self.looped = False  # ran a looping episode (closed loop: waits for its TERMINATE)
         self.em: SandboxEmitter | None = None
         self.acked_values: list[tuple[str, bytes]] = []
         self.crash = self.rng.random() < cfg.crash
@@ -266,11 +274,18 @@ class _Sandbox:
                 behaviour = "crash"
             rec = EpisodeRecord(self.task, self.name, f"{n:05d}", behaviour)
             self.sim.episodes.append(rec)
+            self.looped = self.looped or behaviour in ("loop", "cycle")
             ended = await self._episode(rec, migrate=(n == migrate_at))
             if not ended:
                 break  # crashed without EpisodeEnd: the sandbox is recycled
         em = self.em
         assert em is not None
+        if placements is not None and self.looped:
+            decision_id = await placements.termination(self.name, cfg.terminate_wait_s)
+            if decision_id is not None:
+                self.sim.terminate_acks[self.name] = decision_id
+                await em.acknowledge(decision_id, detail="simulated runtime: agent stopped",
+                                     event_time_ms=self.tick(100, 1000))
         await em.lifecycle("DRAINING", reason="recycle", event_time_ms=self.tick(100, 1000))
         report = await em.drain(self.sim.settings.producer.drain_deadline_s)
         for rec in self.sim.episodes:
@@ -392,6 +407,9 @@ class _Placements:
         self.codec = default_codec()
         self.waiters: dict[str, _Waiter] = {}
         self.placed: dict[str, dict[str, Any]] = {}
+        # the scheduler's TERMINATE about each sandbox: its event id, once seen
+        self.terminations: dict[str, str] = {}
+        self._terminated: dict[str, asyncio.Event] = {}
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
@@ -504,6 +522,14 @@ class _Placements:
                                                            f"{exc!r}"))
                 w.answered.set()
 
+    async def termination(self, sandbox: str, wait_s: float) -> str | None:
+        """The event id of the scheduler's TERMINATE about ``sandbox``, waiting up to
+        ``wait_s`` for it; None if none came."""
+        ev = self._terminated.setdefault(sandbox, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ev.wait(), wait_s)
+        return self.terminations.get(sandbox)
+
     def _on_decision(self, value: bytes | None) -> None:
         if not value:
             return
@@ -511,6 +537,11 @@ class _Placements:
             d = self.codec.decode(value)
         except CodecError:
             return  # not ours to judge; the scheduler's topic is checked elsewhere
+        if d.kind == "SchedulingDecision" and d.record["decision"] == "TERMINATE" and \
+                str(d.header.get("producer_id", "")).endswith("scheduler"):
+            sandbox = str(d.header["sandbox"])
+            self.terminations.setdefault(sandbox, str(d.header["event_id"]))
+            self._terminated.setdefault(sandbox, asyncio.Event()).set()
         rid = d.record.get("request_id") if d.kind == "SchedulingDecision" else None
         w = self.waiters.get(rid) if isinstance(rid, str) else None
         if w is None or w.outcome.done():
@@ -532,6 +563,7 @@ class _Sim:
         self.episodes: list[EpisodeRecord] = []
         self.acked: dict[tuple[str, str, str], list[tuple[int, str]]] = defaultdict(list)
         self.sandbox_streams: dict[str, list[tuple[int, str]]] = defaultdict(list)
+        self.terminate_acks: dict[str, str] = {}
         self.producer_ids: dict[str, list[str]] = defaultdict(list)
         self.duplicates_sent = 0
         self.events_acked = 0
@@ -588,8 +620,16 @@ class _Sim:
         for topic, value in sb.acked_values:
             if rng.random() < self.cfg.duplicate * 10:
                 futs.append(await producer.send(topic, value, key=sb.name.encode()))
-        await asyncio.gather(*futs)
-        self.duplicates_sent += len(futs)
+        # copies of delivered events: one the broker did not take (an outage) is not lost data
+        sent = await asyncio.gather(*futs, return_exceptions=True)
+        failed = [r for r in sent if isinstance(r, BaseException)]
+        for r in failed:
+            if not isinstance(r, KafkaError):
+                raise r
+        if failed:
+            log.warning("%s: %d of %d duplicates not delivered (%r)", sb.name, len(failed),
+                        len(sent), failed[0])
+        self.duplicates_sent += len(sent) - len(failed)
 
     def manifest(self) -> Manifest:
         for rec in self.episodes:
@@ -600,7 +640,8 @@ class _Sim:
         streams = {k: sorted(dict(v).items()) for k, v in self.sandbox_streams.items()}
         placed = dict(sorted(self.placements.placed.items())) if self.placements else {}
         return Manifest(asdict(self.cfg), self.episodes, streams, dict(self.producer_ids),
-                        self.duplicates_sent, self.events_acked, self.blobs, placed)
+                        self.duplicates_sent, self.events_acked, self.blobs, placed,
+                        dict(sorted(self.terminate_acks.items())))
 
 
 async def simulate(settings: Settings, sandboxes: int = 10, episodes: int = 3, seed: int = 0,
@@ -625,10 +666,23 @@ async def simulate(settings: Settings, sandboxes: int = 10, episodes: int = 3, s
             await _Sandbox(sim, i).run()
 
     async def keep_reporting() -> None:
+        # Periodic status: a report the broker cannot take (an outage) is superseded by the
+        # next one, so it is skipped, never fatal to the fleet (a 20 s outage ended a run).
         r = 20
+        failing = False
         while True:
             await asyncio.sleep(every)
-            await sim.node_reports(1, first_round=r, now_ms=int(time.time() * 1000))
+            try:
+                await sim.node_reports(1, first_round=r, now_ms=int(time.time() * 1000))
+            except KafkaError as exc:
+                if not failing:
+                    log.warning("node reports not delivered (%r); skipping them until the "
+                                "broker takes them again", exc)
+                failing = True
+            else:
+                if failing:
+                    log.warning("node reports delivered again")
+                failing = False
             r += 1
 
     if cfg.wait_for_placement:

@@ -105,6 +105,11 @@ class AlertKind(StrEnum):
     STALL = "STALL"
 
 
+class AckOutcome(StrEnum):
+    DONE = "DONE"
+    FAILED = "FAILED"
+
+
 # -- sandbox-side events -------------------------------------------------------------------
 class SandboxLifecycle(Event):
     KIND: ClassVar[str] = "SandboxLifecycle"
@@ -225,6 +230,18 @@ class Drained(Event):
     detail: str = ""
 
 
+class DecisionAck(Event):
+    """The sandbox runtime's answer to a decision about it (``TERMINATE``): carried out
+    (``DONE``) or not (``FAILED``, with ``detail``). Sandbox-level: ``header.episode`` is None
+    and ``header.seq`` continues the sandbox's lifecycle sequence."""
+
+    KIND: ClassVar[str] = "DecisionAck"
+    decision_event_id: str
+    decision: str
+    outcome: AckOutcome
+    detail: str = ""
+
+
 class Tick(Event):
     KIND: ClassVar[str] = "Tick"
 
@@ -295,7 +312,8 @@ EVENT_MODELS: dict[str, type[Event]] = {
     m.KIND: m
     for m in (
         SandboxLifecycle, Heartbeat, LivenessProbe, ToolCall, ToolResult, TraceChunk,
-        EpisodeStart, EpisodeEnd, NodeReport, SandboxRequest, TrainerRelease, Drained, Tick,
+        EpisodeStart, EpisodeEnd, NodeReport, SandboxRequest, TrainerRelease, Drained,
+        DecisionAck, Tick,
         SchedulingDecision, WatchdogAlert, ReplaySegment, DeadLetter,
     )
 }

@@ -49,6 +49,10 @@ def sample_event(kind: str, header: m.Envelope, i: int = 0) -> m.Event:
         case "Drained":
             return m.Drained(header=header, complete=True,
                              final_seqs=[m.EpisodeFinalSeq(episode="ep-0", final_seq=i)])
+        case "DecisionAck":
+            return m.DecisionAck(header=header, decision_event_id=digest[:32],
+                                 decision="TERMINATE", outcome=m.AckOutcome.DONE,
+                                 detail="episodes stopped, resources released")
         case "Tick":
             return m.Tick(header=header)
         case "SchedulingDecision":

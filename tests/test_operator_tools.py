@@ -335,8 +335,8 @@ def test_alerts_since_lists_what_happened_recently_with_why(
     proc = _cli(settings, "alerts", "--since", "1h")
     assert proc.returncode == 0, proc.stderr
     head, *lines = proc.stdout.splitlines()
-    assert "1 loops, 0 loops ended, 0 stalls, 1 terminations, 1 anomalies, 1 reclaims, " \
-           "1 recycles with loss" in head
+    assert "1 loops, 0 loops ended, 0 stalls, 1 terminations (1 not acknowledged), " \
+           "1 anomalies, 1 reclaims, 1 recycles with loss" in head
     assert len(lines) == 5 and not any("sb-old" in x or "PLACE" in x for x in lines)
     loop = next(line for line in lines if " LOOP " in line)
     assert "sb-loop/ep-1" in loop and "web-shop" in loop and "ago" in loop
@@ -353,6 +353,67 @@ def test_alerts_since_lists_what_happened_recently_with_why(
     assert [(r["sandbox"], r["what"]) for r in rows] == [("sb-old", "TERMINATE"),
                                                         ("sb-loop", "TERMINATE")]
     assert _cli(settings, "alerts", "--kind", "NOPE").returncode == 1
+
+
+def test_alerts_show_each_termination_once_with_who_asked_who_acted_and_the_runtime(
+        kafka_broker: object, unique_name: str) -> None:
+    """The watchdog's TERMINATE asks, the scheduler's carries it out, the runtime answers with
+    a DecisionAck: ``alerts`` shows one termination per sandbox, with each processor named by
+    the record's producer, and whether the runtime did it."""
+    settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
+    topics = Topics(settings)
+    t = int(time.time() * 1000) - 600_000
+
+    def terminate(sb: str, by: str, ts: int, eid: str, episode: str | None = None
+                  ) -> tuple[str, bytes, int]:
+        h = _hdr(sb, 1, ts, episode, event_id=eid).model_copy(
+            update={"producer_id": f"trajbus.{by}"})
+        d = m.SchedulingDecision(header=h, decision=m.DecisionKind.TERMINATE,
+                                 reason=f"{by} loop", suspicious=True)
+        return sb, d.encode(), ts
+
+    async def setup() -> None:
+        await ensure_base_topics(settings)
+        await _produce_at(settings, topics.decisions, [
+            # sb-a: two loops in two episodes, acted on once, done by the runtime
+            terminate("sb-a", "watchdog", t, "req-a1", "ep-1"),
+            terminate("sb-a", "scheduler", t + 50, "dec-a"),
+            terminate("sb-a", "watchdog", t + 900, "req-a2", "ep-2"),
+            # sb-b: acted on, the runtime failed; sb-c: acted on, no answer yet
+            terminate("sb-b", "watchdog", t + 1000, "req-b", "ep-1"),
+            terminate("sb-b", "scheduler", t + 1050, "dec-b"),
+            terminate("sb-c", "watchdog", t + 2000, "req-c", "ep-1"),
+            terminate("sb-c", "scheduler", t + 2050, "dec-c"),
+            # sb-d: requested, no scheduler acted (none running?)
+            terminate("sb-d", "watchdog", t + 3000, "req-d", "ep-1")])
+        await produce(settings, topics.sandbox_events, [
+            ("sb-a", m.DecisionAck(header=_hdr("sb-a", 7, t + 2050), decision_event_id="dec-a",
+                                   decision="TERMINATE", outcome=m.AckOutcome.DONE,
+                                   detail="processes killed").encode()),
+            ("sb-b", m.DecisionAck(header=_hdr("sb-b", 7, t + 3000), decision_event_id="dec-b",
+                                   decision="TERMINATE", outcome=m.AckOutcome.FAILED,
+                                   detail="kill refused").encode())])
+
+    asyncio.run(setup())
+    rows = _json_lines(_cli(settings, "alerts", "--since", "1h", "--kind", "TERMINATE",
+                            "--json").stdout)
+    got = {r["sandbox"]: (r["by"], r["requested_by"], r["request_ids"], r["status"])
+           for r in rows}
+    assert len(rows) == 4, rows
+    assert got == {
+        "sb-a": ("scheduler", ["watchdog"], ["req-a1", "req-a2"], "done"),
+        "sb-b": ("scheduler", ["watchdog"], ["req-b"], "failed"),
+        "sb-c": ("scheduler", ["watchdog"], ["req-c"], "not acknowledged"),
+        "sb-d": ("watchdog", [], [], "requested"),
+    }
+    a = next(r for r in rows if r["sandbox"] == "sb-a")
+    assert a["id"] == "dec-a" and a["episode"] == "ep-1" and a["ack_time_ms"] is not None
+    proc = _cli(settings, "alerts", "--since", "1h", "--kind", "TERMINATE")
+    head, *lines = proc.stdout.splitlines()
+    assert "4 terminations (1 done, 1 failed, 1 not acknowledged, 1 requested)" in head
+    line_a = next(x for x in lines if "sb-a" in x)
+    assert "requested by watchdog, by scheduler, runtime: done after" in line_a
+    assert "processes killed" in line_a
 
 
 async def test_watchdog_explain_from_the_log_shows_the_moment_the_loop_fired(

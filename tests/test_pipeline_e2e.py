@@ -175,6 +175,26 @@ async def test_pipeline_delivers_exactly_what_was_acknowledged_and_catches_loops
                 cited = [loop_alert_ids.get(c) for c in d["cause_event_ids"]]
                 assert any(k is not None and k[0] == sandbox for k in cited), d
 
+    # -- the runtime's answer: a looping sandbox acknowledges the scheduler's TERMINATE ------
+    # (the simulated runtime waits a bounded time for it before draining; under heavy load
+    # the TERMINATE may come later, then there is no ack and alerts says so)
+    acks = manifest["terminate_acks"]
+    sched_terminate = {s: d["header"]["event_id"] for s, p in by_sandbox.items()
+                       for d in p["trajbus.scheduler"] if d["decision"] == "TERMINATE"}
+    assert set(acks) <= {s for s, _ in loops}, acks
+    assert all(acks[s] == sched_terminate.get(s) for s in acks), (acks, sched_terminate)
+    assert loops and acks, "no looping sandbox acknowledged its TERMINATE"
+    from trajbus.consumers.operator.alerts import happenings
+
+    shown = {h.sandbox: h for h in await happenings(settings, 0, ["TERMINATE"])}
+    assert set(shown) == {s for s, _ in loops}, (sorted(shown), sorted(loops))
+    for sandbox, h in shown.items():  # one line per termination, its provenance right
+        if sandbox in sched_terminate:
+            assert h.source == "scheduler" and h.requested_by == ("watchdog",), h
+            assert h.status == ("done" if sandbox in acks else "not acknowledged"), h
+        else:  # the scheduler ignored the alert: the sandbox was recycled already
+            assert h.source == "watchdog" and h.status == "requested", h
+
     # -- archive: every acknowledged event, read back with SQL ------------------------------
     con = ArchiveReader(open_store(str(tmp_path / "archive"))).connect()
     archived: dict[tuple[str, str | None], set[tuple[int, str]]] = defaultdict(set)

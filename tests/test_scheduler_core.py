@@ -363,6 +363,30 @@ def test_watchdog_decision_on_the_decisions_topic_is_not_an_input() -> None:
     assert sbx(core, "s1").state == "ACTIVE"
 
 
+def test_runtime_ack_of_terminate_is_counted_and_a_failed_one_is_an_anomaly() -> None:
+    core, log = SchedulerCore(), Log()
+    for sb in ("s1", "s2"):
+        active_sandbox(core, log, sb, T0)
+    for i, sb in enumerate(("s1", "s2")):
+        assert kinds(run(core, [alert(sb, T0 + 10 + i)])) == ["TERMINATE"]
+
+    def answer(sb: str, t: int, outcome: str, detail: str = "") -> tuple[str, dict[str, Any]]:
+        return "DecisionAck", {"header": log.h(sb, t), "decision_event_id": f"d-{sb}",
+                               "decision": "TERMINATE", "outcome": outcome, "detail": detail}
+
+    assert run(core, [answer("s1", T0 + 20, "DONE")]) == []
+    assert core.stats["decision_ack_done"] == 1
+    (bad,) = decisions(run(core, [answer("s2", T0 + 21, "FAILED", "kill refused: EPERM")]))
+    assert bad.decision == "ANOMALY" and bad.sandbox == "s2" and bad.suspicious
+    assert "could not carry out TERMINATE: kill refused: EPERM" in bad.reason
+    assert bad.details["decision_event_id"] == "d-s2"
+    assert core.stats["decision_ack_failed"] == 1
+    # the drains TERMINATE started run on either way
+    assert sbx(core, "s1").state == sbx(core, "s2").state == "DRAINING"
+    (dl,) = run(core, [answer("s-unknown", T0 + 30, "DONE")])
+    assert isinstance(dl, DeadLetterOut) and dl.reason_code == "unknown_sandbox"
+
+
 # -- 4. drain before recycle ----------------------------------------------------------------
 def _full_node_with_one_sandbox(core: SchedulerCore) -> None:
     run(core, [node_report("n1", T0, cpu=8, mem=16_384)])

@@ -75,6 +75,30 @@ async def test_a_replication_factor_the_cluster_cannot_meet_says_what_to_set(
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.kafka
+@pytest.mark.timeout(60)
+async def test_a_broker_fenced_between_the_check_and_the_creation_is_waited_for(
+        kafka_broker, unique_name, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cluster fault suite (2026-12-05, run 18, a rolling restart): the metadata still
+    listed the node being restarted, so the replication-factor check passed, and the
+    controller refused the creation with error 38 ("only 2 broker(s) are registered"); the
+    worker stopped on a RuntimeError. That refusal is waited for like the check's."""
+    from trajbus.bus import admin
+
+    async def sees_enough_brokers(*_: object) -> None:
+        return None
+
+    monkeypatch.setattr(admin, "_check_replication_factor", sees_enough_brokers)
+    settings = Settings(kafka=KafkaSettings(bootstrap_servers=kafka_broker.bootstrap),
+                        topics=TopicSettings(prefix=unique_name, replication_factor=3))
+    started = time.monotonic()
+    with pytest.raises(ReplicationFactorError) as info:
+        await ensure_topics(settings, [TopicSpec(f"{unique_name}.rf3", 1, "test", "key")],
+                            patience_s=3)
+    assert time.monotonic() - started >= 2.5  # waited, not refused at once
+    assert "TRAJBUS_TOPICS__REPLICATION_FACTOR=3" in str(info.value)
+
+
 @pytest.mark.timeout(60)
 async def test_a_broker_that_never_answered_fails_as_fast_as_the_start_up_check() -> None:
     settings = Settings(kafka=KafkaSettings(bootstrap_servers=f"127.0.0.1:{free_port()}",

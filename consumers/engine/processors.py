@@ -53,8 +53,9 @@ class _Adapter:
         them), with ``conflicting`` (the version kept instead) for a conflicting duplicate.
         Never a poison pill: what does not fit the derived topics' record limit is truncated,
         and the reason says where the whole bytes are."""
-        deadletter.count(self.stage, code)
-        metrics.DEAD_LETTERS.labels(self.stage, code).inc()
+        deadletter.count(self.stage, code)  # also trajbus_dead_letters_total
+        if code == "conflicting_duplicate":
+            metrics.CONFLICTS.inc()
         h = header or {}
         original = rec.value if value is None else value
         room = self.topics.derived_max_bytes - 64 * 1024
@@ -327,7 +328,7 @@ def _invalid_ids(h: dict[str, Any]) -> str | None:
 _EPISODE_KINDS = frozenset({"EpisodeStart", "EpisodeEnd", "ToolCall", "ToolResult", "TraceChunk"})
 _REORDERED = frozenset({
     "EpisodeStart", "EpisodeEnd", "ToolCall", "ToolResult", "TraceChunk", "SandboxLifecycle",
-    "Drained", "Heartbeat", "LivenessProbe",
+    "Drained", "Heartbeat", "LivenessProbe", "DecisionAck",
 })
 
 
@@ -350,7 +351,7 @@ class SchedulerProcessor(_Adapter):
     stage = "scheduler"
     INPUT_KINDS = frozenset({
         "SandboxLifecycle", "Heartbeat", "LivenessProbe", "NodeReport", "SandboxRequest",
-        "TrainerRelease", "Drained", "WatchdogAlert",
+        "TrainerRelease", "Drained", "WatchdogAlert", "DecisionAck",
     })
 
     def __init__(self, settings: Settings, codec: Codec | None = None) -> None:
@@ -457,7 +458,8 @@ class SchedulerProcessor(_Adapter):
             self.core.restore(key, blob)
 
 
-_SANDBOX_STREAM = frozenset({"SandboxLifecycle", "Heartbeat", "LivenessProbe", "Drained"})
+_SANDBOX_STREAM = frozenset({"SandboxLifecycle", "Heartbeat", "LivenessProbe", "Drained",
+                            "DecisionAck"})
 _SANDBOX_EPISODE = "\x00sandbox"  # the sandbox-level stream, as a pseudo-episode of the core
 
 

@@ -64,6 +64,10 @@ Inputs (``handle(kind, record)``; ``record["header"]`` is the Envelope)
 ``Drained``
     The emitter's flush report: final sequence per open episode, ``complete``, ``unflushed``.
     From a sandbox still queued: the request is withdrawn.
+``DecisionAck``
+    The sandbox runtime's answer to a decision about it (a TERMINATE): ``DONE`` is counted
+    (``stats["decision_ack_done"]``); ``FAILED`` is an ``ANOMALY`` naming the decision and the
+    runtime's detail. Either way nothing else changes: the drain that TERMINATE started runs on.
 ``ReplayAck`` (not an Avro kind; the shell builds it)
     ``{"sandbox": str, "episode": str, "last_seq": int, "event_time_ms": int (optional),
     "event_id": str (optional)}``: downstream (the ordered-replay stage) has processed the
@@ -385,6 +389,7 @@ class SchedulerCore:
             "SandboxRequest": self._on_request,
             "Tick": self._on_tick,
             "SchedulingDecision": self._on_ignored,
+            "DecisionAck": self._on_decision_ack,
         }
 
     # -- public API -------------------------------------------------------------------------
@@ -867,6 +872,29 @@ class SchedulerCore:
         else:  # already draining: terminate it anyway, the grace window keeps running
             self._decide(out, DecisionKind.TERMINATE, reason, sb=sb, details=details,
                          causes=[eid])
+
+    def _on_decision_ack(self, rec: dict[str, Any], h: dict[str, Any],
+                         out: list[Output]) -> None:
+        sid = h["sandbox"]
+        sb = self._sb.get(sid)
+        if sb is None and sid not in self._queued:
+            out.append(DeadLetterOut("unknown_sandbox", f"decision ack for unknown sandbox "
+                                     f"{sid!r}", "DecisionAck", h.get("event_id")))
+            return
+        outcome = rec["outcome"]
+        if outcome == "DONE":
+            self._count("decision_ack_done")
+            return
+        self._count("decision_ack_failed")
+        what = rec["decision"]
+        detail = rec.get("detail") or "no detail given"
+        reason = f"the sandbox runtime could not carry out {what}: {detail}"
+        details = {"decision": str(what), "decision_event_id": str(rec["decision_event_id"]),
+                   "outcome": str(outcome)}
+        if sb is not None:
+            self._anomaly(out, reason, sid, sb.task, h.get("event_id"), details, sb=sb)
+        else:
+            self._anomaly(out, reason, sid, h.get("task"), h.get("event_id"), details)
 
     def _on_ignored(self, rec: dict[str, Any], h: dict[str, Any], out: list[Output]) -> None:
         self._count("decision_input_ignored")
