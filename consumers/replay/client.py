@@ -37,6 +37,17 @@ Guarantees
   rejoin makes the consumer read it again; a partition that moved to another member is read
   on by that member from the group's commit (what was acknowledged here but not yet committed
   is delivered there again).
+* **A group of trainers** (one ``group_id``, members joining and leaving): an acknowledged
+  episode is never delivered again to another member. :meth:`ReplayClient.ack` returns
+  True when the acknowledgement is the group's (per-ack: committed; coalesced: the
+  partition is still this member's, its commits carry it), False when the partition went
+  to another member since the item was handed out (that member delivers it again, whole).
+  The commit's metadata names every run of offsets acknowledged beyond the commit point
+  (compactly: thousands of live segments fit), and a member taking a partition reads it;
+  the commit point never passes the first segment of an episode not acknowledged, so a
+  partition moved mid-episode never yields a fragment. ``Episode.complete`` is False
+  (``fragment_reason``) for an episode read from after its first segment (a start
+  position inside it, retention) or missing one.
 * **Leaving a loop early** (``break`` after a batch of episodes, an exception in the loop):
   the next iterator of the client reads again what the last one had fetched from Kafka but
   not handed out -- the segments of episodes it had not completed, the rest of its last
@@ -109,6 +120,8 @@ Use :class:`ReplayClient` from asyncio, :class:`SyncReplayClient` from plain Pyt
 from __future__ import annotations
 
 import asyncio
+import base64
+import bisect
 import concurrent.futures
 import contextlib
 import json
@@ -116,6 +129,7 @@ import logging
 import re
 import sys
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -145,6 +159,7 @@ _REMEMBERED = 200_000  # episodes whose delivery state the client keeps (bounded
 # group has settled, before the trainer's call raises it.
 REBALANCE_COMMIT_TIMEOUT_S = 300.0  # aiokafka's default max_poll_interval: a rebalance's bound
 _REBALANCE_RETRY_S = 0.2
+_REVOKE_COMMIT_TIMEOUT_S = 10.0  # a revocation's commit (the group's rebalance waits for it)
 _COMMITTER_TURN_S = 0.001  # coalesced commits: an ack yields to the committer this often
 _COMMIT_TURN_WAIT_S = 0.005  # ... and waits this long, once per commit, for one under way
 # A loop held at ``max_in_flight`` logs a WARNING after this long without an acknowledgement,
@@ -218,6 +233,8 @@ class Segment:
     offset: int
     timestamp_ms: int = 0
     """The replay record's Kafka timestamp: when the reorder worker wrote the segment."""
+    _tenure: int = field(default=0, repr=False, compare=False)
+    # which tenure of its partition by this client handed it out (its ack counts only in it)
 
     @property
     def truncated(self) -> bool:
@@ -226,7 +243,18 @@ class Segment:
 
 @dataclass
 class Episode:
-    """A whole episode assembled from its segments."""
+    """An episode assembled from its segments, handed out once its last segment arrived.
+
+    ``complete``: it holds the episode from its first segment (seq 0, EpisodeStart) to its
+    last, none missing -- the usual case. Otherwise it is a *fragment*, and
+    ``fragment_reason`` says why: ``"started_mid_episode"`` (the client began reading the
+    partition after the episode's first segment: a ``start=`` time or ``"latest"`` fell
+    inside it, or retention deleted its beginning) or ``"missing_segments"`` (a segment
+    between its first and last is not there). A member that takes a partition over from
+    another never makes fragments: it reads from the group's commit, which never passes the
+    first segment of an episode not acknowledged. ``gaps`` (events the reorder engine
+    declared lost upstream) and ``truncated`` (ended without a TERMINAL EpisodeEnd) are about
+    the episode's content, not its delivery: a complete episode may have either."""
 
     task: str
     sandbox: str
@@ -240,6 +268,36 @@ class Episode:
     def truncated(self) -> bool:
         return not self.is_terminal
 
+    @property
+    def complete(self) -> bool:
+        """Every segment from the episode's first to its last is here (see the class)."""
+        return self.fragment_reason is None
+
+    @property
+    def fragment_reason(self) -> str | None:
+        """None for a complete episode; else why it is a fragment (see the class)."""
+        return fragment_reason(self.segments)
+
+
+def fragment_reason(segments: list[Segment]) -> str | None:
+    """Why ``segments`` (one episode's, in order) are not the whole episode from its first
+    segment to its last, or None. Sequences are followed, events and declared gaps alike: each
+    segment must start at or before the seq after the previous one's last."""
+    if not segments or not segments[0].is_first:
+        return "started_mid_episode"
+    expected = 0
+    for seg in segments:
+        lo = seg.gap[0] if seg.gap else seg.first_seq if seg.events else None
+        if lo is not None and lo > expected:
+            return "missing_segments"
+        if seg.gap:
+            expected = max(expected, seg.gap[1] + 1)
+        if seg.events:
+            expected = max(expected, seg.last_seq + 1)
+    if not segments[-1].is_last:
+        return "missing_segments"
+    return None
+
 
 class FlowControlError(RuntimeError):
     """A loop waited ``flow_control_timeout_s`` at ``max_in_flight`` for acknowledgements that
@@ -247,11 +305,22 @@ class FlowControlError(RuntimeError):
 
 
 class _PartitionProgress:
-    """Which offsets of one partition are acknowledged; what may be committed."""
+    """Which offsets of one partition are acknowledged; what may be committed.
 
-    def __init__(self, committed: int, acked_beyond: Iterable[int] = ()) -> None:
+    One object per *tenure*: from the moment this member takes the partition (``epoch``, a
+    number the client gives each) until it loses it. What was handed out under an earlier
+    tenure is not this one's: its acknowledgement is void (the partition's next owner
+    delivers it again)."""
+
+    def __init__(self, committed: int, carried: Iterable[tuple[int, int]] = (),
+                 epoch: int = 0) -> None:
         self.committed = committed  # next offset to read after a restart
-        self.acked: set[int] = set(acked_beyond)
+        self.epoch = epoch
+        self.acked: set[int] = set()
+        # Runs [start, end) beyond the commit point that the group's commit metadata says are
+        # passed (acknowledged, or holding nothing) -- by an earlier run or another member
+        self.carried: list[tuple[int, int]] = _merge_runs(
+            (max(a, committed), b) for a, b in carried if b > committed)
         # Offsets that hold no record for this reader: a transaction's commit marker (one per
         # transaction of the worker's transactional producer), an aborted transaction's
         # records, offsets compacted away. The commit point passes them; without that it
@@ -259,6 +328,20 @@ class _PartitionProgress:
         self.holes: dict[int, int] = {}
         self.read_to = committed  # offset after the last record read (where the fetch is)
         self._prune_at = 1024
+        self.acks = 0  # acknowledgements recorded (each new one counts)
+        self.durable = 0  # of those, how many a successful commit carried
+        self.promised = 0  # of those, how many an ack() returned True for before a commit
+        # carried them (coalesced commits)
+        self.last_committed: tuple[int, str] | None = None  # (offset, metadata) the group
+        # has from this tenure (or had when it began)
+        self.metadata_cut = 0  # runs left out of the last metadata (too long)
+
+    @classmethod
+    def from_commit(cls, offset: int, metadata: str, epoch: int = 0) -> _PartitionProgress:
+        """The progress the group's commit (offset and metadata) stands for."""
+        progress = cls(offset, parse_acked_beyond(metadata, offset), epoch)
+        progress.last_committed = (offset, metadata)
+        return progress
 
     def note_read(self, offset: int) -> None:
         """A record at ``offset`` was fetched. Read in order from ``read_to``, the offsets
@@ -275,26 +358,37 @@ class _PartitionProgress:
     def ack(self, offset: int) -> bool:
         """Record an acknowledgement; True when it is new (the commit's offset or its
         metadata changes)."""
-        if offset >= self.committed and offset not in self.acked:
+        if offset >= self.committed and offset not in self.acked and not self._carried(offset):
             self.acked.add(offset)
+            self.acks += 1
             return True
         return False
+
+    def _carried(self, offset: int) -> bool:
+        runs = self.carried
+        if not runs:
+            return False
+        i = bisect.bisect_right(runs, (offset, _NO_END)) - 1
+        return i >= 0 and runs[i][0] <= offset < runs[i][1]
 
     def skip_on_restart(self, offset: int) -> bool:
         # below the commit point too: acknowledged beyond it at the start, then passed by it
         # when the segments before it were acknowledged in this run
-        return offset < self.committed or offset in self.acked
+        return offset < self.committed or offset in self.acked or self._carried(offset)
 
     def advance(self) -> bool:
-        """Move the commit point over contiguous acknowledged offsets and the holes between
-        them. True when it moved."""
+        """Move the commit point over contiguous acknowledged offsets, the holes between
+        them and the runs carried from the group's commit. True when it moved."""
         moved = False
+        carried = self.carried
         while True:
             if self.committed in self.acked:
                 self.acked.discard(self.committed)
                 self.committed += 1
             elif self.committed in self.holes:
                 self.committed = max(self.committed, self.holes.pop(self.committed))
+            elif carried and carried[0][0] <= self.committed:
+                self.committed = max(self.committed, carried.pop(0)[1])
             else:
                 break
             moved = True
@@ -303,13 +397,107 @@ class _PartitionProgress:
             self._prune_at = max(1024, 2 * len(self.holes))  # looked up: amortised
         return moved
 
+    def beyond(self) -> list[tuple[int, int]]:
+        """The runs [start, end) beyond the commit point that are passed: acknowledged offsets,
+        carried runs, and the holes between them (a reader skips a hole anyway)."""
+        runs = _merge_runs([(o, o + 1) for o in self.acked]
+                           + [r for r in self.carried if r[1] > self.committed])
+        if not runs:
+            return []
+        hi = runs[-1][1]
+        holes = [(max(a, self.committed), min(b, hi)) for a, b in self.holes.items()
+                 if b > self.committed and a < hi]
+        return _merge_runs(runs + holes) if holes else runs
+
     def metadata(self) -> str:
-        beyond = sorted(self.acked)
-        text = json.dumps(beyond)
-        while len(text) > _METADATA_LIMIT and beyond:  # keep the lowest; the rest re-delivers
-            beyond = beyond[: len(beyond) // 2]
-            text = json.dumps(beyond)
+        """The commit's metadata: the runs beyond the commit point that are passed, so that a
+        trainer resuming -- this one restarted, or another member the partition moves to --
+        skips them (see :func:`encode_acked_beyond`). Runs that do not fit are left out (the
+        highest first; ``metadata_cut`` counts them): they are delivered again."""
+        text, self.metadata_cut = encode_acked_beyond(self.beyond(), self.committed)
         return text
+
+
+_NO_END = 2**63
+_RUNS_TAG = "r1:"
+
+
+def _merge_runs(runs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, non-overlapping, non-adjacent runs [start, end) covering ``runs``."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(r for r in runs if r[1] > r[0]):
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _varint(out: bytearray, n: int) -> None:
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return
+
+
+def encode_acked_beyond(runs: list[tuple[int, int]], committed: int,
+                        limit: int = 0) -> tuple[str, int]:
+    """Commit metadata for the passed runs beyond ``committed``: ``"r1:"`` and the base64 of
+    the zlib-compressed varints (gap from the previous run's end, length) of each run -- a
+    few bytes per run whatever its length (the offsets of thousands of acknowledged live
+    segments fit). Returns the text and how many runs were left out to keep it under
+    ``limit`` (default: Kafka's default ``offset.metadata.max.bytes`` with a margin); the
+    highest go first, and are delivered again to the next reader."""
+    limit = limit or _METADATA_LIMIT
+    if not runs:
+        return "", 0
+    keep = len(runs)
+    while True:
+        out = bytearray()
+        prev = committed
+        for a, b in runs[:keep]:
+            _varint(out, a - prev)
+            _varint(out, b - a)
+            prev = b
+        text = _RUNS_TAG + base64.b64encode(zlib.compress(bytes(out), 9)).decode()
+        if len(text) <= limit or keep == 0:
+            return (text if keep else ""), len(runs) - keep
+        keep = keep * limit // len(text) if keep > 1 else 0  # proportionally fewer
+
+
+def parse_acked_beyond(metadata: str, committed: int) -> list[tuple[int, int]]:
+    """The passed runs a commit's metadata names (:func:`encode_acked_beyond`; also the JSON
+    list of offsets clients wrote before 2026-12-05). Unreadable metadata names none."""
+    if not metadata:
+        return []
+    try:
+        if metadata.startswith(_RUNS_TAG):
+            data = zlib.decompress(base64.b64decode(metadata[len(_RUNS_TAG):]))
+            nums: list[int] = []
+            n = shift = 0
+            for byte in data:
+                n |= (byte & 0x7F) << shift
+                shift += 7
+                if not byte & 0x80:
+                    nums.append(n)
+                    n = shift = 0
+            runs = []
+            prev = committed
+            for gap, length in zip(nums[::2], nums[1::2], strict=False):
+                start = prev + gap
+                prev = start + length
+                runs.append((start, prev))
+            return runs
+        return _merge_runs((int(x), int(x) + 1) for x in json.loads(metadata))
+    except (ValueError, TypeError, zlib.error):
+        log.warning("unreadable commit metadata %r: ignored (what it named is read again)",
+                    metadata[:80])
+        return []
 
 
 @dataclass
@@ -417,11 +605,16 @@ class ReplayClient:
                       "flow_control_waits": 0,
                       "skipped_already_acked": 0, "undecodable": 0,
                       "commits_retried_after_rebalance": 0, "acks_after_partition_moved": 0,
+                      "acks_lost_in_rebalance": 0, "acks_beyond_metadata_cut": 0,
                       "records_read_again_after_early_exit": 0, "start_positions_retried": 0}
         self._consumer: AIOKafkaConsumer | None = None
         self._progress: dict[TopicPartition, _PartitionProgress] = {}
-        self._delivered_hwm: OrderedDict[tuple[str, str], int] = OrderedDict()
-        self._finished: OrderedDict[tuple[str, str], None] = OrderedDict()
+        # per episode, the highest seq delivered and the partition it came from (a partition
+        # lost forgets its episodes: what it held is this member's no more)
+        self._delivered_hwm: OrderedDict[tuple[str, str], tuple[int, TopicPartition]] = (
+            OrderedDict())
+        self._finished: OrderedDict[tuple[str, str], TopicPartition] = OrderedDict()
+        self._tenures = 0  # partitions taken (each _PartitionProgress gets the next number)
         self._in_flight = 0
         self._committed_at_start: dict[TopicPartition, OffsetAndMetadata] = {}
         self.strict_commits = commit_every_ms <= 0
@@ -731,7 +924,7 @@ class ReplayClient:
                     unhandled.clear()  # a rebalance during that await: see below
                     break
                 if tp not in self._consumer.assignment():
-                    self._progress.pop(tp, None)
+                    self._lose([tp])
                     unhandled.pop(tp, None)
                     continue
                 handed = self._handed_out.setdefault(tp, {})
@@ -743,9 +936,11 @@ class ReplayClient:
                         continue
                     if msg.offset in handed:
                         continue  # read again after a rejoin: its first delivery is unacked
-                    seg = self._to_segment(tp, msg.offset, msg.value, msg.timestamp)
+                    seg = self._to_segment(tp, msg.offset, msg.value, msg.timestamp,
+                                           progress.epoch)
                     if seg is None:
-                        progress.ack(msg.offset)  # nothing new in it: consumed
+                        if progress.ack(msg.offset):  # nothing new in it: consumed
+                            self._dirty = True
                         continue
                     if drop_stale and self._too_stale(seg.events):
                         self.stats["stale_segments_dropped"] += 1
@@ -893,6 +1088,42 @@ class ReplayClient:
                 log.warning("replay client %s: waiting: %s; %s", self.group_id, held, advice)
                 warn_at = now + _FLOW_WARN_EVERY_S
 
+    def _lose(self, partitions: Iterable[TopicPartition]) -> None:
+        """This member's tenure of ``partitions`` ended (they went to another member, or the
+        group's commit moved past ours): what it handed out from them is not the trainer's
+        to acknowledge any more -- their next reader delivers it again, and an ``ack()`` of
+        it returns False -- and what it knew of their episodes (delivered, finished) is
+        forgotten, so that should a partition come back, its records are delivered again
+        unless the group's commit says they were acknowledged."""
+        lost = {tp for tp in partitions}
+        if not lost:
+            return
+        for tp in lost:
+            progress = self._progress.pop(tp, None)
+            if progress is not None and progress.durable < progress.promised:
+                # acknowledged (coalesced commits: ack() returned True), but no commit
+                # carried them before the partition went -- the revocation's commit failed:
+                # its next reader delivers them again. (Those whose ack() has not returned
+                # yet return False.)
+                lost_acks = progress.promised - progress.durable
+                self.stats["acks_lost_in_rebalance"] += lost_acks
+                log.warning("replay client %s: %d acknowledged offset(s) of %s were not "
+                            "committed before the partition went to another member (the "
+                            "commit at revocation failed); it delivers them again",
+                            self.group_id, lost_acks, tp)
+        self._drop_open_episodes(lost)
+        read = self._reading
+        for tp in lost:
+            for serial in self._handed_out.pop(tp, {}).values():
+                self._in_flight -= 1
+                if read is not None and serial == read.serial:
+                    read.own -= 1
+        for key in [k for k, tp in self._finished.items() if tp in lost]:
+            del self._finished[key]
+        for key in [k for k, (_, tp) in self._delivered_hwm.items() if tp in lost]:
+            del self._delivered_hwm[key]
+        self._acked_event.set()
+
     def _drop_open_episodes(self, partitions: set[TopicPartition]) -> None:
         """Forget the current iterator's open episodes on ``partitions`` (their progress was
         dropped in a rebalance): not in flight, not "delivered" -- read again, they are
@@ -951,27 +1182,63 @@ class ReplayClient:
                 self._consumer.seek(tp, offset)
                 self.stats["records_read_again_after_early_exit"] += 1
 
-    async def ack(self, item: Segment | Episode) -> None:
-        """The trainer has consumed this segment (or every segment of this episode). Returns
-        once it is committed (with ``commit_every_ms`` > 0: at once, the commit follows in the
-        background). Acknowledging again what is acknowledged already changes nothing."""
-        self._acknowledge(item, by_trainer=True)
-        await self._maybe_commit()
+    async def ack(self, item: Segment | Episode) -> bool:
+        """The trainer has consumed this segment (or every segment of this episode).
 
-    def _acknowledge(self, item: Segment | Episode, by_trainer: bool) -> None:
+        Returns True when the acknowledgement is this member's for the group: with per-ack
+        commits (``commit_every_ms=0``) once it is committed; with coalesced commits (the
+        default, ``commit_every_ms=100``) at once (it is committed in the background, and at the latest when a rebalance takes the
+        partition away -- ``stats["acks_lost_in_rebalance"]`` counts any that commit could
+        not carry). Returns False when the item's partition went to another member of the
+        group since it was handed out (a member joined or left): that member delivers it
+        again, whole, and its acknowledgement is the one that counts; a trainer that wants
+        each episode's work to count once discards what it drew from this one. Acknowledging
+        again what is acknowledged already changes nothing."""
+        tickets = self._acknowledge(item, by_trainer=True)
+        await self._maybe_commit()
+        if tickets is None:
+            return False
+        if self.strict_commits:
+            return all(progress.durable >= n for _, progress, n in tickets)
+        if not self._settled.is_set():
+            # a rebalance under way (from the start of the revocation, whose commit may
+            # already be made without this ack) decides whether the partition stays
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._settled.wait(), REBALANCE_COMMIT_TIMEOUT_S)
+        # the group's if a commit carried it (the revocation's may have, before the
+        # partition went), or if the partition is still this member's (its commits will)
+        if not all(progress.durable >= n or self._progress.get(tp) is progress
+                   for tp, progress, n in tickets):
+            return False
+        for _, progress, n in tickets:
+            progress.promised = max(progress.promised, n)
+        return True
+
+    def _acknowledge(self, item: Segment | Episode, by_trainer: bool
+                     ) -> list[tuple[TopicPartition, _PartitionProgress, int]] | None:
+        """Record the acknowledgement of ``item``'s segments in the progress of their
+        partitions; the (partition, progress, acks recorded) of each, or None when a segment
+        was handed out under an earlier tenure of its partition (void: see :meth:`_lose`)."""
         segs = item.segments if isinstance(item, Episode) else [item]
         read = self._reading
+        tickets: list[tuple[TopicPartition, _PartitionProgress, int]] = []
+        void = False
         for seg in segs:
             tp = TopicPartition(seg.topic, seg.partition)
-            owner = self._handed_out.get(tp, {}).pop(seg.offset, None)
             progress = self._progress.get(tp)
-            if progress is not None:
-                if progress.ack(seg.offset):
-                    # committed now even when it is beyond the commit point (in the metadata):
-                    # a restart must not deliver it again
-                    self._dirty = True
-            elif owner is not None:  # its partition went to another member meanwhile,
-                self.stats["acks_after_partition_moved"] += 1  # which reads it again
+            if progress is None or (seg._tenure and progress.epoch != seg._tenure):
+                # its partition went to another member meanwhile, which reads it again
+                self.stats["acks_after_partition_moved"] += 1
+                void = True
+                continue
+            owner = self._handed_out.get(tp, {}).pop(seg.offset, None)
+            if progress.ack(seg.offset):
+                # committed now even when it is beyond the commit point (in the metadata): a
+                # restart, or the partition's next owner, must not deliver it again
+                self._dirty = True
+                tickets.append((tp, progress, progress.acks))
+            else:  # acknowledged before: by this very tenure (an earlier ack of it)
+                tickets.append((tp, progress, 0))
             if owner is None:
                 continue  # acknowledged already (or never handed out): not in flight
             self._in_flight -= 1
@@ -980,6 +1247,7 @@ class ReplayClient:
                 if by_trainer and not read.at_trainer:
                     read.acked_beside = True  # while the loop was fetching or waiting
         self._acked_event.set()
+        return None if void else tickets
 
     # -- internals ----------------------------------------------------------------------
     async def _end_offsets_now(self) -> dict[TopicPartition, int]:
@@ -1040,7 +1308,8 @@ class ReplayClient:
         assert self._consumer is not None
         for tp, offset in targets.items():
             self._consumer.seek(tp, offset)
-            self._progress[tp] = _PartitionProgress(offset)
+            self._tenures += 1
+            self._progress[tp] = _PartitionProgress(offset, epoch=self._tenures)
             self._positioned.add(tp)
 
     async def _position_pending(self) -> None:
@@ -1070,20 +1339,44 @@ class ReplayClient:
         self._consumer.resume(*targets)
 
     async def _progress_for(self, tp: TopicPartition) -> _PartitionProgress:
+        """This tenure's progress of ``tp``; a partition just taken starts from the group's
+        commit *and its metadata*: the runs beyond the commit point that the member before
+        acknowledged are skipped (before 2026-12-05 only the metadata found at ``start()``
+        was read, so a member taking a partition over delivered again every episode the other
+        had acknowledged beyond its commit point, some as fragments)."""
         progress = self._progress.get(tp)
         if progress is None:
-            assert self._consumer is not None
-            committed = await self._consumer.committed(tp)
-            beyond: list[int] = []
-            om = self._committed_at_start.get(tp)
-            if om is not None and om.metadata and committed == om.offset:
-                try:
-                    beyond = [int(x) for x in json.loads(om.metadata)]
-                except (ValueError, TypeError):
-                    beyond = []
-            start = committed if committed is not None else 0
-            progress = self._progress[tp] = _PartitionProgress(start, beyond)
+            om = await self._fetch_committed(tp)
+            self._tenures += 1
+            if om is None:
+                progress = _PartitionProgress(0, epoch=self._tenures)
+            else:
+                progress = _PartitionProgress.from_commit(om.offset, om.metadata or "",
+                                                          self._tenures)
+            self._progress[tp] = progress
         return progress
+
+    async def _fetch_committed(self, tp: TopicPartition) -> OffsetAndMetadata | None:
+        """The group's commit of ``tp`` with its metadata (None: none). aiokafka's
+        ``committed()`` drops the metadata; its coordinator's fetch (what ``committed()``
+        calls) keeps it. Without that, the metadata read at ``start()`` serves if the offset
+        still matches."""
+        assert self._consumer is not None
+        coordinator = getattr(self._consumer, "_coordinator", None)
+        fetch = getattr(coordinator, "fetch_committed_offsets", None)
+        if fetch is not None:
+            offsets = await fetch([tp])
+            om = offsets.get(tp)
+            if om is None or om.offset < 0:
+                return None
+            return OffsetAndMetadata(om.offset, om.metadata or "")
+        committed = await self._consumer.committed(tp)
+        if committed is None:
+            return None
+        start = self._committed_at_start.get(tp)
+        if start is not None and start.offset == committed:
+            return OffsetAndMetadata(committed, start.metadata or "")
+        return OffsetAndMetadata(committed, "")
 
     async def _load_committed(self) -> None:
         """The group's committed offsets with their metadata (acknowledged-beyond offsets)."""
@@ -1105,7 +1398,7 @@ class ReplayClient:
             await admin.close()
 
     def _to_segment(self, tp: TopicPartition, offset: int, value: bytes,
-                    timestamp_ms: int = 0) -> Segment | None:
+                    timestamp_ms: int = 0, tenure: int = 0) -> Segment | None:
         try:
             decoded = self.codec.decode(value)
         except DecodeError:
@@ -1117,7 +1410,7 @@ class ReplayClient:
         if key in self._finished:  # a re-derived copy of an episode already delivered whole
             self.stats["duplicates_dropped"] += len(rec["events"])
             return None
-        hwm = self._delivered_hwm.get(key, -1)
+        hwm = self._delivered_hwm.get(key, (-1, tp))[0]
         events: list[Decoded] = []
         for raw in rec["events"]:
             try:
@@ -1133,13 +1426,13 @@ class ReplayClient:
             hwm = seq
         if not events and not rec["is_last"] and rec["gap"] is None:
             return None
-        self._delivered_hwm[key] = max(hwm, rec["last_seq"])
+        self._delivered_hwm[key] = (max(hwm, rec["last_seq"]), tp)
         self._delivered_hwm.move_to_end(key)
         while len(self._delivered_hwm) > _REMEMBERED:  # bounded memory: forget the oldest
             self._delivered_hwm.popitem(last=False)
         if rec["is_last"]:
             self._delivered_hwm.pop(key, None)
-            self._finished[key] = None
+            self._finished[key] = tp
             while len(self._finished) > _REMEMBERED:
                 self._finished.popitem(last=False)
         gap = rec["gap"]
@@ -1150,6 +1443,7 @@ class ReplayClient:
             gap=(gap["from_seq"], gap["to_seq"]) if gap else None,
             is_first=rec["is_first"], is_last=rec["is_last"], is_terminal=rec["is_terminal"],
             topic=tp.topic, partition=tp.partition, offset=offset, timestamp_ms=timestamp_ms,
+            _tenure=tenure,
         )
 
     def _too_stale(self, events: list[Decoded]) -> bool:
@@ -1245,12 +1539,22 @@ class ReplayClient:
         assigned = self._consumer.assignment()
         if not assigned:
             raise _GroupRebalancing("no partition assigned now")
-        for tp in [tp for tp in self._progress if tp not in assigned]:
-            del self._progress[tp]
-        offsets = {tp: OffsetAndMetadata(p.committed, p.metadata())
-                   for tp, p in self._progress.items()}
+        self._lose([tp for tp in self._progress if tp not in assigned])
+        held = list(self._progress.items())
+        offsets = {tp: OffsetAndMetadata(p.committed, p.metadata()) for tp, p in held}
+        acks = [p.acks for _, p in held]  # what this commit carries
+        for _, p in held:
+            if p.metadata_cut:
+                self.stats["acks_beyond_metadata_cut"] += p.metadata_cut
+                log.warning("replay client %s: %d run(s) of acknowledged offsets beyond the "
+                            "commit point do not fit the commit's metadata; a restart or the "
+                            "partition's next owner delivers them again", self.group_id,
+                            p.metadata_cut)
         if offsets:
             await self._consumer.commit(offsets)
+            for (tp, p), n in zip(held, acks, strict=True):
+                p.durable = max(p.durable, n)
+                p.last_committed = (offsets[tp].offset, offsets[tp].metadata)
 
 
 def _count_delivered(stats: dict[str, int], segments: list[Segment]) -> None:
@@ -1270,17 +1574,24 @@ class _StartAt(ConsumerRebalanceListener):
         self.client = client
 
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
-        # what was acknowledged is committed before another member may take the partitions
-        # (one attempt, and none while a commit is under way: the rebalance waits for this; a
-        # failure is left to the next commit)
+        # what was acknowledged is committed before another member may take the partitions:
+        # after a commit under way (the rebalance waits for this, so for a bounded time), one
+        # attempt; what it cannot carry is lost to the partitions' next readers (counted when
+        # a partition goes: stats["acks_lost_in_rebalance"]). Before 2026-12-05 no commit was
+        # made here while one was under way, and acknowledgements made meanwhile went with
+        # the partition.
         client = self.client
         # first, before any await: a fetch returned before this point read positions the
         # new assignment resets (aiokafka's getmany waits from here until it is made)
         client._revocations += 1
         client._settled.clear()
-        if client._commit_error is None and not client._commit_lock.locked():
-            with contextlib.suppress(Exception):
-                await client._commit_acknowledged(retry_rebalance=False)
+        if client._commit_error is None:
+            try:
+                await asyncio.wait_for(client._commit_acknowledged(retry_rebalance=False),
+                                       _REVOKE_COMMIT_TIMEOUT_S)
+            except Exception as exc:  # the next owner reads from the group's last commit
+                log.warning("replay client %s: the commit at revocation failed (%s: %s)",
+                            client.group_id, type(exc).__name__, exc)
         client._rebalancing = True
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
@@ -1295,28 +1606,32 @@ class _StartAt(ConsumerRebalanceListener):
     async def _take(self, assigned: list[TopicPartition]) -> None:
         # Partitions another member holds now: their progress goes (it commits them; a
         # partition that comes back later starts from the group's commit, never from ours).
+        # What this member handed out of them is not its own any more (see ReplayClient._lose:
+        # acknowledging it returns False; should a partition come back, its records are
+        # delivered again unless the group's commit passed them).
         client = self.client
         kept = set(assigned)
         gone = [tp for tp in client._progress if tp not in kept]
-        for tp in gone:
-            del client._progress[tp]
-            # what the trainer holds of them stays "handed out": should the partition come
-            # back, a re-read of it is not taken as consumed before the trainer's ack
         # A partition kept may have been another member's meanwhile (this one was evicted,
-        # e.g. its loop blocked beyond the session timeout): if the group's commit moved past
-        # ours, ours is stale -- never commit it (that would move the group back).
+        # e.g. its loop blocked beyond the session timeout): if the group's commit is not the
+        # last this tenure made (or saw at its start), ours is stale -- never commit it (that
+        # would move the group back, or drop the other member's acknowledgements beyond it).
         consumer = client._consumer
         for tp in [tp for tp in client._progress if tp in kept]:
             if consumer is None:
                 break
+            progress = client._progress[tp]
             with contextlib.suppress(Exception):  # unknown: keep ours (the usual case)
-                committed = await consumer.committed(tp)
-                if committed is not None and committed > client._progress[tp].committed:
-                    del client._progress[tp]
+                om = await client._fetch_committed(tp)
+                if om is None:
+                    continue
+                if (om.offset > progress.committed or (
+                        progress.last_committed is not None
+                        and (om.offset, om.metadata or "") != progress.last_committed)):
                     gone.append(tp)
         # the episodes an iterator holds open on those partitions are not this member's to
         # complete: their segments are read again from the group's commit if they come back
-        client._drop_open_episodes(set(gone))
+        client._lose(gone)
         await client._apply_start(assigned)
 
 
@@ -1409,9 +1724,11 @@ class SyncReplayClient:
             log.warning("replay client: an iterator could not be closed (%s: %s); the next "
                         "one reads again what it held", type(exc).__name__, exc)
 
-    def ack(self, item: Segment | Episode) -> None:
-        """See :meth:`ReplayClient.ack`."""
-        self._run(self._client.ack(item))
+    def ack(self, item: Segment | Episode) -> bool:
+        """See :meth:`ReplayClient.ack`: False when the item's partition went to another
+        member since it was handed out (that member delivers it again)."""
+        result: bool = self._run(self._client.ack(item))
+        return result
 
     def commit(self) -> None:
         """Commit every acknowledgement made so far; returns once the broker has it (before a
