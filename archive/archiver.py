@@ -38,7 +38,7 @@ from trajbus.archive.core import ArchiveBatcher, Flush
 from trajbus.archive.dedupe import Deduper, Verdict, content_digest, to_signed
 from trajbus.archive.rows import decode_as_written, decoded_to_row, row_nbytes
 from trajbus.archive.spool import Spool, clear_spool_dir
-from trajbus.archive.storage import ObjectStore, open_store
+from trajbus.archive.storage import ObjectStore, mark_archive, open_store
 from trajbus.archive.writer import ArchiveWriter, BatchResult
 from trajbus.bus.closing import close_client
 from trajbus.bus.settings import ArchiveSettings, Settings
@@ -116,6 +116,7 @@ class ArchiveShell:
         self.duplicates = 0  # re-sent copies dropped
         self.conflicts = 0  # conflicting copies sent to conflicts/
         self._valid_names: set[tuple[str, str]] = set()  # (task, sandbox) pairs validated
+        mark_archive(store)
 
     def _spool(self, topic: str, partition: int, conflicts: bool = False) -> Spool:
         tp = (topic, partition)

@@ -138,15 +138,20 @@ def _settings() -> Any:
     return get_settings()
 
 
-def _store(args: argparse.Namespace, *, ride_out_outages: bool = False) -> Any:
+def _store(args: argparse.Namespace, *, ride_out_outages: bool = False,
+           existing: bool = True) -> Any:
     """The archive's store. Long-running writers (run, compact, retention) ride out S3
-    outages of up to TRAJBUS_ARCHIVE__STORE_RETRY_S; interactive queries fail at once."""
-    from trajbus.archive.storage import StoreConfigError, open_store
+    outages of up to TRAJBUS_ARCHIVE__STORE_RETRY_S; interactive queries fail at once.
+    ``existing`` (every command but ``run``): the location must hold an archive -- a wrong
+    path or prefix is an error (exit 2) saying what was expected, and nothing is created."""
+    from trajbus.archive.storage import StoreConfigError, open_store, require_archive
 
     cfg = _settings().archive
     try:
-        return open_store(args.url or cfg.url, args.endpoint_url or cfg.s3_endpoint_url,
-                          retry_s=cfg.store_retry_s if ride_out_outages else 0.0)
+        store = open_store(args.url or cfg.url, args.endpoint_url or cfg.s3_endpoint_url,
+                           retry_s=cfg.store_retry_s if ride_out_outages else 0.0,
+                           create=not existing)
+        return require_archive(store) if existing else store
     except StoreConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
@@ -157,7 +162,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from trajbus.bus.kafka import check_broker
 
     settings = _settings()
-    store = _store(args, ride_out_outages=True)
+    store = _store(args, ride_out_outages=True, existing=False)
     asyncio.run(check_broker(settings.kafka))  # a clear error, not a half-started archiver
 
     async def main() -> int:
@@ -191,7 +196,7 @@ def _cmd_episode(args: argparse.Namespace) -> int:
     from trajbus.archive.query import ArchiveReader, fetch_row_blob, reassemble_trace
     from trajbus.archive.storage import StoreError
 
-    reader = ArchiveReader(_store(args))
+    reader = ArchiveReader(_store(args), require=False)
     table = reader.episode(args.task, args.sandbox, args.episode)
     if table.num_rows == 0:
         print(f"no archived events for task={args.task} sandbox={args.sandbox} "
@@ -230,7 +235,7 @@ def _cmd_sql(args: argparse.Namespace) -> int:
 
     from trajbus.archive.query import ArchiveReader
 
-    reader = ArchiveReader(_store(args))
+    reader = ArchiveReader(_store(args), require=False)
     for attempt in range(3):
         # resolves the compaction manifest (again, on a retry)
         con = reader.connect(episodes="episodes" in args.query.lower())
@@ -267,7 +272,7 @@ def _cmd_episodes(args: argparse.Namespace) -> int:
     from trajbus.archive.query import ArchiveReader
 
     store = _store(args)
-    table = ArchiveReader(store).episodes(args.task)
+    table = ArchiveReader(store, require=False).episodes(args.task)
     if args.out:
         pq.write_table(table, args.out, compression="zstd")
     if args.publish:
