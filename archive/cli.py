@@ -26,7 +26,11 @@ Layout (local directory or s3://bucket/prefix, set TRAJBUS_ARCHIVE__URL):
   index/date=YYYY-MM-DD/task=T/<same name>   one row per (task, sandbox, episode, object)
 Rows are sorted by (sandbox, episode, seq) inside each object. Every kind of event shares one
 schema: header columns, typed columns (tool, status, state, outcome, ...), payload_json for
-the rest, data for trace chunk bytes, and the Kafka source position.
+the rest, data for trace chunk bytes, and the Kafka source position. `archive run` writes a
+batch once its first event is 30 s old in the log's time (TRAJBUS_ARCHIVE__FLUSH_AFTER_MS):
+an acknowledged event is queryable about 30 s later; `archive compact` merges the small
+objects. Reads of a location that holds no archive (no events/, index/ or
+_trajbus_archive.json) fail with exit 2 and create nothing.
 
 Examples:
   trajbus archive run --until-idle
