@@ -102,17 +102,21 @@ async def test_an_idle_archiver_commits_past_ticks_and_markers_so_its_lag_reads_
         await _produce(kafka_broker.bootstrap, topic,
                        [(TICK_KEY, _tick(100 + i), i % 2) for i in range(4)],
                        transactional_id=f"{unique_name}-txn")
-        ends = await end_offsets(settings, [topic])
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 20
         committed: dict[Any, int] = {}
         while loop.time() < deadline and not running.done():
+            # read again each time: the commit markers are written after the transaction's
+            # commit returns, and until then the ends (the last stable offsets) stop short
+            ends = await end_offsets(settings, [topic])
+            log_ends = await end_offsets(settings, [topic], read_committed=False)
             committed = await committed_offsets(settings, group)
-            if committed == ends:
+            if committed == ends == log_ends:
                 break
             await asyncio.sleep(0.3)
-        assert committed == ends, (
-            f"the idle archiver's committed offsets {committed} never reached the ends {ends}: "
+        assert committed == ends == log_ends, (
+            f"the idle archiver's committed offsets {committed} never reached the ends {ends} "
+            f"(log {log_ends}): "
             "its lag grows by the ticks while nothing is left to archive")
         lag = await asyncio.to_thread(kafka_consumer_groups_lag, kafka_broker.bootstrap, group)
         assert lag == {(topic, 0): 0, (topic, 1): 0}, lag
