@@ -28,6 +28,7 @@ import inspect
 import logging
 import os
 import re
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from trajbus.archive.core import ArchiveBatcher, Flush
 from trajbus.archive.dedupe import Deduper, Verdict, content_digest, to_signed
 from trajbus.archive.rows import decode_as_written, decoded_to_row, row_nbytes
 from trajbus.archive.spool import Spool, clear_spool_dir
-from trajbus.archive.storage import ObjectStore, open_store
+from trajbus.archive.storage import ObjectStore, mark_archive, open_store
 from trajbus.archive.writer import ArchiveWriter, BatchResult
 from trajbus.bus.closing import close_client
 from trajbus.bus.settings import ArchiveSettings, Settings
@@ -121,10 +122,18 @@ class ArchiveShell:
     """Decode, spool, batch and write. Not thread-safe: call from one thread at a time."""
 
     def __init__(self, store: ObjectStore, cfg: ArchiveSettings, codec: Codec | None = None,
-                 spool_dir: str | None = None, dedupe_max_keys: int = 2_000_000) -> None:
+                 spool_dir: str | None = None, dedupe_max_keys: int = 2_000_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.codec = codec or default_codec()
-        self.batcher = ArchiveBatcher(cfg.target_object_bytes, cfg.max_open_ms)
+        self.batcher = ArchiveBatcher(cfg.target_object_bytes, cfg.max_open_ms,
+                                      cfg.flush_after_ms)
+        # The log's time as this shell knows it: the newest Kafka timestamp read, and when
+        # (``clock``) it was read. Their sum is a lower bound of the log's time now: the
+        # timer that flushes the last batch of a quiet fleet (``ArchiveBatcher.log_tick``).
+        self.clock = clock
+        self.log_ms: int | None = None
+        self._log_read_at = 0.0
         self.writer = ArchiveWriter(store, row_group_rows=cfg.row_group_rows,
                                     write_threads=cfg.write_threads)
         self.spool_dir = Path(spool_dir or cfg.spool_dir)
@@ -138,6 +147,7 @@ class ArchiveShell:
         self.duplicates = 0  # re-sent copies dropped
         self.conflicts = 0  # conflicting copies sent to conflicts/
         self._valid_names: set[tuple[str, str]] = set()  # (task, sandbox) pairs validated
+        mark_archive(store)
 
     def _spool(self, topic: str, partition: int, conflicts: bool = False) -> Spool:
         tp = (topic, partition)
@@ -152,14 +162,18 @@ class ArchiveShell:
         out = StepResult()
         batcher, dedupe = self.batcher, self.dedupe
         valid_names = self._valid_names
+        log_ms = self.log_ms
         for rec in records:
             value = rec.value or b""
             topic, partition, offset = rec.topic, rec.partition, rec.offset
+            log = getattr(rec, "timestamp", None)  # aiokafka: the record's Kafka timestamp
+            if log is not None and (log_ms is None or log > log_ms):
+                log_ms = log
             try:
                 decoded = decode_as_written(self.codec, value)
                 h = decoded.header
                 if decoded.kind == "Tick":  # processors' clock marks, not sandbox data
-                    self._run(batcher.skip(topic, partition, offset), out)
+                    self._run(batcher.skip(topic, partition, offset, log), out)
                     continue
                 task, sandbox = h["task"], h["sandbox"]
                 if (task, sandbox) not in valid_names:
@@ -171,13 +185,13 @@ class ArchiveShell:
             except DecodeError as exc:
                 out.rejected.append(Rejected(topic, partition, offset, rec.key,
                                              value, exc.reason_code, str(exc)))
-                self._run(batcher.skip(topic, partition, offset), out)
+                self._run(batcher.skip(topic, partition, offset, log), out)
                 continue
             except (ValueError, KeyError, TypeError) as exc:
                 out.rejected.append(Rejected(topic, partition, offset, rec.key,
                                              value, "invalid_header", f"{type(exc).__name__}: "
                                              f"{exc}"))
-                self._run(batcher.skip(topic, partition, offset), out)
+                self._run(batcher.skip(topic, partition, offset, log), out)
                 continue
             t = int(h["event_time_ms"])
             digest = content_digest(value)
@@ -185,25 +199,31 @@ class ArchiveShell:
                                    int(h["seq"]), digest, t)
             if verdict is Verdict.DUPLICATE:  # a re-sent copy: archived once already
                 self.duplicates += 1
-                self._run(batcher.skip(topic, partition, offset), out)
+                self._run(batcher.skip(topic, partition, offset, log), out)
                 continue
             row = decoded_to_row(decoded, topic, partition, offset)
             row["event_digest"] = to_signed(digest)
             if verdict is Verdict.CONFLICT:  # kept out of events/, written to conflicts/
                 self.conflicts += 1
                 self._spool(topic, partition, conflicts=True).append(row)
-                self._run(batcher.skip(topic, partition, offset), out)
+                self._run(batcher.skip(topic, partition, offset, log), out)
                 continue
             nbytes = row_nbytes(row)
             self._spool(topic, partition).append(row, nbytes)
             self.rows += 1
-            flushes = batcher.add(topic, partition, offset, t, nbytes)
+            flushes = batcher.add(topic, partition, offset, t, nbytes, log)
             if flushes:
                 self._run(flushes, out)
             if self.watermark_ms is None or t > self.watermark_ms:
                 self.watermark_ms = t
         if self.watermark_ms is not None:
             self._run(batcher.tick(self.watermark_ms), out)
+        now = self.clock()
+        if log_ms != self.log_ms:
+            self.log_ms, self._log_read_at = log_ms, now
+        if self.log_ms is not None:  # the quiet fleet's last batch: by the log's time
+            self._run(batcher.log_tick(self.log_ms + int((now - self._log_read_at) * 1000)),
+                      out)
         return out
 
     def flush_all(self) -> StepResult:

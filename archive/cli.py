@@ -26,7 +26,11 @@ Layout (local directory or s3://bucket/prefix, set TRAJBUS_ARCHIVE__URL):
   index/date=YYYY-MM-DD/task=T/<same name>   one row per (task, sandbox, episode, object)
 Rows are sorted by (sandbox, episode, seq) inside each object. Every kind of event shares one
 schema: header columns, typed columns (tool, status, state, outcome, ...), payload_json for
-the rest, data for trace chunk bytes, and the Kafka source position.
+the rest, data for trace chunk bytes, and the Kafka source position. `archive run` writes a
+batch once its first event is 30 s old in the log's time (TRAJBUS_ARCHIVE__FLUSH_AFTER_MS):
+an acknowledged event is queryable about 30 s later; `archive compact` merges the small
+objects. Reads of a location that holds no archive (no events/, index/ or
+_trajbus_archive.json) fail with exit 2 and create nothing.
 
 Examples:
   trajbus archive run --until-idle
@@ -142,15 +146,20 @@ def _settings() -> Any:
     return get_settings()
 
 
-def _store(args: argparse.Namespace, *, ride_out_outages: bool = False) -> Any:
+def _store(args: argparse.Namespace, *, ride_out_outages: bool = False,
+           existing: bool = True) -> Any:
     """The archive's store. Long-running writers (run, compact, retention) ride out S3
-    outages of up to TRAJBUS_ARCHIVE__STORE_RETRY_S; interactive queries fail at once."""
-    from trajbus.archive.storage import StoreConfigError, open_store
+    outages of up to TRAJBUS_ARCHIVE__STORE_RETRY_S; interactive queries fail at once.
+    ``existing`` (every command but ``run``): the location must hold an archive -- a wrong
+    path or prefix is an error (exit 2) saying what was expected, and nothing is created."""
+    from trajbus.archive.storage import StoreConfigError, open_store, require_archive
 
     cfg = _settings().archive
     try:
-        return open_store(args.url or cfg.url, args.endpoint_url or cfg.s3_endpoint_url,
-                          retry_s=cfg.store_retry_s if ride_out_outages else 0.0)
+        store = open_store(args.url or cfg.url, args.endpoint_url or cfg.s3_endpoint_url,
+                           retry_s=cfg.store_retry_s if ride_out_outages else 0.0,
+                           create=not existing)
+        return require_archive(store) if existing else store
     except StoreConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
@@ -164,7 +173,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     settings = _settings()
     ops = start_ops(args, settings)
     state = ArchiverState()
-    store = _store(args, ride_out_outages=True)
+    store = _store(args, ride_out_outages=True, existing=False)
     asyncio.run(check_broker(settings.kafka))  # a clear error, not a half-started archiver
 
     async def main() -> int:
@@ -201,7 +210,7 @@ def _cmd_episode(args: argparse.Namespace) -> int:
     from trajbus.archive.query import ArchiveReader, fetch_row_blob, reassemble_trace
     from trajbus.archive.storage import StoreError
 
-    reader = ArchiveReader(_store(args))
+    reader = ArchiveReader(_store(args), require=False)
     table = reader.episode(args.task, args.sandbox, args.episode)
     if table.num_rows == 0:
         print(f"no archived events for task={args.task} sandbox={args.sandbox} "
@@ -240,7 +249,7 @@ def _cmd_sql(args: argparse.Namespace) -> int:
 
     from trajbus.archive.query import ArchiveReader
 
-    reader = ArchiveReader(_store(args))
+    reader = ArchiveReader(_store(args), require=False)
     for attempt in range(3):
         # resolves the compaction manifest (again, on a retry)
         con = reader.connect(episodes="episodes" in args.query.lower())
@@ -277,7 +286,7 @@ def _cmd_episodes(args: argparse.Namespace) -> int:
     from trajbus.archive.query import ArchiveReader
 
     store = _store(args)
-    table = ArchiveReader(store).episodes(args.task)
+    table = ArchiveReader(store, require=False).episodes(args.task)
     if args.out:
         pq.write_table(table, args.out, compression="zstd")
     if args.publish:

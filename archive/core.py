@@ -11,16 +11,24 @@ archiver is behind. It returns :class:`Flush` instructions:
   than the target is flushed alone, ``reason="size"``, ``includes`` the record);
 * ``span``: the record's event time would stretch the batch's event-time span past
   ``max_open_ms`` -> same, the record opens the next batch;
+* ``age`` (freshness): a record (or a skipped one: a processor's Tick) whose *log time* (its
+  Kafka timestamp; the broker's append time on the fleet's topics) is ``flush_after_ms`` or
+  more past the log time of the batch's first row -> the batch *without* the record is
+  flushed. Ticks are written into every input partition every second, so an open batch of a
+  quiet partition is flushed by the next tick that shows its age;
 * ``tick``: :meth:`tick` with an event-time watermark flushes batches opened more than
   ``max_open_ms`` before it (the shell passes the highest event time it has seen, never the
-  wall clock);
+  wall clock); :meth:`log_tick` with a log-time watermark flushes batches whose first row is
+  ``flush_after_ms`` old by it (the shell's timer: no processor writes ticks, nothing follows
+  the last event of a quiet fleet);
 * ``explicit``: :meth:`flush` (shutdown, until-idle mode);
 * ``replay``: a batch boundary recorded before a crash (:meth:`expect`) is reproduced exactly,
   so the re-upload after a crash between upload and commit writes the same object keys.
 
-Size and span decisions depend only on that partition's records, so they repeat identically on
-re-consumption; ``tick``/``explicit`` boundaries depend on timing and are made repeatable by
-the batch markers plus :meth:`expect`.
+Size, span and age decisions depend only on that partition's records (their offsets, sizes,
+event times and log timestamps), so they repeat identically on re-consumption;
+``tick``/``explicit`` boundaries depend on timing and are made repeatable by the batch markers
+plus :meth:`expect`.
 
 Undecodable records still advance the batch's offset range (:meth:`skip`): their offsets are
 committed with the batch, after they went to the dead-letter topic.
@@ -38,7 +46,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-FlushReason = Literal["size", "span", "tick", "explicit", "replay"]
+FlushReason = Literal["size", "span", "age", "tick", "explicit", "replay"]
 TP = tuple[str, int]
 
 
@@ -70,6 +78,7 @@ class _Open:
     nbytes: int = 0
     tmin: int | None = None
     tmax: int | None = None
+    opened_log: int | None = None  # log time (Kafka timestamp) of the first row
 
     def span_with(self, t: int) -> int:
         if self.tmin is None or self.tmax is None:
@@ -87,11 +96,13 @@ class ArchiveBatcher:
     """One open batch per (topic, partition); see the module docstring for the rules."""
 
     def __init__(self, target_object_bytes: int = 64 * 1024 * 1024,
-                 max_open_ms: int = 6 * 3600 * 1000) -> None:
-        if target_object_bytes <= 0 or max_open_ms <= 0:
-            raise ValueError("target_object_bytes and max_open_ms must be positive")
+                 max_open_ms: int = 6 * 3600 * 1000, flush_after_ms: int = 30_000) -> None:
+        if target_object_bytes <= 0 or max_open_ms <= 0 or flush_after_ms <= 0:
+            raise ValueError("target_object_bytes, max_open_ms and flush_after_ms must be "
+                             "positive")
         self.target_object_bytes = target_object_bytes
         self.max_open_ms = max_open_ms
+        self.flush_after_ms = flush_after_ms
         self._open: dict[TP, _Open] = {}
         self._seen: dict[TP, int] = {}  # highest offset accepted per partition
         self._expected: dict[TP, list[tuple[int, int]]] = {}
@@ -99,14 +110,31 @@ class ArchiveBatcher:
 
     # -- inputs ----------------------------------------------------------------------------
     def add(self, topic: str, partition: int, offset: int, event_time_ms: int,
-            nbytes: int) -> list[Flush]:
-        """Account one archived record. Flushes whose ``last_offset < offset`` close the batch
-        before this record; a flush with ``last_offset == offset`` includes it."""
-        return self._accept(topic, partition, offset, event_time_ms, max(nbytes, 0))
+            nbytes: int, log_time_ms: int | None = None) -> list[Flush]:
+        """Account one archived record (``log_time_ms``: its Kafka timestamp, when known).
+        Flushes whose ``last_offset < offset`` close the batch before this record; a flush
+        with ``last_offset == offset`` includes it."""
+        return self._accept(topic, partition, offset, event_time_ms, max(nbytes, 0),
+                            log_time_ms)
 
-    def skip(self, topic: str, partition: int, offset: int) -> list[Flush]:
-        """Account an offset that produced no row (dead-lettered): it joins the open batch."""
-        return self._accept(topic, partition, offset, None, 0)
+    def skip(self, topic: str, partition: int, offset: int,
+             log_time_ms: int | None = None) -> list[Flush]:
+        """Account an offset that produced no row (a Tick, a dead letter, a re-sent copy): it
+        joins the open batch, after its log time may have flushed it (``age``)."""
+        return self._accept(topic, partition, offset, None, 0, log_time_ms)
+
+    def log_tick(self, log_time_ms: int) -> list[Flush]:
+        """Flush every batch whose first row's log time is ``flush_after_ms`` or more before
+        ``log_time_ms`` (the shell's estimate of the log's time: its newest log timestamp
+        read, plus the time since it was read -- a lower bound of the log's time)."""
+        out: list[Flush] = []
+        for tp in sorted(self._open):
+            b = self._open[tp]
+            if b.rows and b.opened_log is not None and \
+                    log_time_ms - b.opened_log >= self.flush_after_ms \
+                    and not self._expected.get(tp):
+                out.append(self._close(tp, "tick"))
+        return out
 
     def tick(self, watermark_ms: int) -> list[Flush]:
         """Flush every batch whose first event is more than ``max_open_ms`` before the
@@ -172,6 +200,7 @@ class ArchiveBatcher:
         return {
             "target_object_bytes": self.target_object_bytes,
             "max_open_ms": self.max_open_ms,
+            "flush_after_ms": self.flush_after_ms,
             "open": [[t, p, asdict(b)] for (t, p), b in sorted(self._open.items())],
             "seen": [[t, p, o] for (t, p), o in sorted(self._seen.items())],
             "expected": [[t, p, e] for (t, p), e in sorted(self._expected.items())],
@@ -179,15 +208,20 @@ class ArchiveBatcher:
 
     @classmethod
     def restore(cls, snap: dict[str, Any]) -> ArchiveBatcher:
-        b = cls(snap["target_object_bytes"], snap["max_open_ms"])
+        b = cls(snap["target_object_bytes"], snap["max_open_ms"],
+                snap.get("flush_after_ms", 30_000))
         b._open = {(t, p): _Open(**d) for t, p, d in snap["open"]}
         b._seen = {(t, p): o for t, p, o in snap["seen"]}
         b._expected = {(t, p): [tuple(x) for x in e] for t, p, e in snap["expected"]}
         return b
 
     # -- internals -------------------------------------------------------------------------
+    def _aged(self, b: _Open, log: int | None) -> bool:
+        return log is not None and b.rows > 0 and b.opened_log is not None and \
+            log - b.opened_log >= self.flush_after_ms
+
     def _accept(self, topic: str, partition: int, offset: int, t: int | None,
-                nbytes: int) -> list[Flush]:
+                nbytes: int, log: int | None = None) -> list[Flush]:
         tp = (topic, partition)
         if offset <= self._seen.get(tp, -1):
             self.stats.duplicates += 1
@@ -205,10 +239,16 @@ class ArchiveBatcher:
                     (tmax if tmax > t else t) - (tmin if tmin < t else t) > self.max_open_ms:
                 out = [self._close(tp, "span")]
                 b = None
+            elif log is not None and b.opened_log is not None and \
+                    log - b.opened_log >= self.flush_after_ms:
+                out = [self._close(tp, "age")]
+                b = None
             else:
                 b.last = offset
                 b.rows += 1
                 b.nbytes += nbytes
+                if b.opened_log is None:
+                    b.opened_log = log
                 if tmin is None or t < tmin:
                     b.tmin = t
                 if tmax is None or t > tmax:
@@ -233,10 +273,15 @@ class ArchiveBatcher:
             elif t is not None and b.span_with(t) > self.max_open_ms:
                 out.append(self._close(tp, "span"))
                 b = None
+            elif self._aged(b, log):
+                out.append(self._close(tp, "age"))
+                b = None
         if b is None:
             b = self._open[tp] = _Open(first=offset, last=offset)
         b.last = offset
         if t is not None:
+            if not b.rows:
+                b.opened_log = log
             b.rows += 1
             b.nbytes += nbytes
             b.tmin = t if b.tmin is None else min(b.tmin, t)

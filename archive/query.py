@@ -29,7 +29,7 @@ from trajbus.archive.episodes import build_episodes
 from trajbus.archive.index import INDEX_SCHEMA
 from trajbus.archive.manifest import Manifest, live_objects, read_manifest
 from trajbus.archive.rows import ARCHIVE_SCHEMA
-from trajbus.archive.storage import LocalStore, ObjectStore
+from trajbus.archive.storage import LocalStore, ObjectStore, require_archive
 from trajbus.bus.topics import validate_name
 
 
@@ -43,9 +43,15 @@ def _dedupe_sorted(table: pa.Table, key: str = "seq") -> pa.Table:
 
 
 class ArchiveReader:
-    """Read access to an archive store (local directory or S3)."""
+    """Read access to an archive store (local directory or S3).
 
-    def __init__(self, store: ObjectStore) -> None:
+    A store that holds no archive (a misspelled path, a wrong S3 prefix) raises
+    :class:`~trajbus.archive.storage.NoArchiveError` here, saying what was expected there,
+    instead of answering zero rows; ``require=False`` reads it as empty."""
+
+    def __init__(self, store: ObjectStore, require: bool = True) -> None:
+        if require:
+            require_archive(store)
         self.store = store
 
     def manifest(self) -> Manifest:
@@ -268,7 +274,8 @@ def sandbox_events(settings: Any, sandbox: str, episode: str | None = None
     from trajbus.archive.storage import open_store
 
     validate_name("sandbox", sandbox)
-    reader = ArchiveReader(open_store(settings.archive.url, settings.archive.s3_endpoint_url))
+    reader = ArchiveReader(open_store(settings.archive.url, settings.archive.s3_endpoint_url,
+                                      create=False))
     m = reader.manifest()
     idx = reader.index(manifest=m)
     idx = idx.filter(pc.equal(idx.column("sandbox"), sandbox))

@@ -39,6 +39,7 @@ from urllib.parse import urlparse
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from trajbus.bus.errors import UserError
 from trajbus.bus.settings import mask_url_credentials
 
 MULTIPART_THRESHOLD = 16 * 1024 * 1024
@@ -68,6 +69,17 @@ class ObjectNotFoundError(StoreError, KeyError):
 
 class StoreUnavailableError(StoreError):
     """The store stayed unreachable for longer than the configured retry budget."""
+
+
+class NoArchiveError(StoreConfigError, UserError):
+    """A read was pointed at a location that holds no trajbus archive (a misspelled path, a
+    wrong S3 prefix): an error, never an empty answer. The ``trajbus`` command line prints
+    the message and exits 2."""
+
+    exit_code = 2
+
+    def __init__(self, message: str) -> None:
+        UserError.__init__(self, message)
 
 
 # Error codes that no amount of waiting mends: raise at once.
@@ -214,6 +226,10 @@ class ObjectStore(ABC):
         del fs_
         return f"{base}/{validate_key(key)}" if base else validate_key(key)
 
+    def has_any(self, prefix: str) -> bool:
+        """Whether at least one object's key starts with ``prefix``."""
+        return bool(self.list(prefix))
+
     def glob(self, prefix: str, suffix: str = ".parquet") -> builtins.list[str]:
         """DuckDB-readable paths of the objects under ``prefix`` ending with ``suffix``."""
         return [self.duckdb_path(o.key) for o in self.list(prefix) if o.key.endswith(suffix)]
@@ -227,10 +243,13 @@ class ObjectStore(ABC):
 class LocalStore(ObjectStore):
     """A directory. Puts are temp file + ``os.replace`` in the same directory (atomic)."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], create: bool = True) -> None:
+        """``create=False`` (readers): the directory is not created; a missing one reads as
+        an empty store (:func:`require_archive` says what is missing)."""
         self.root = Path(root).absolute()
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            if create:
+                self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreConfigError(
                 f"cannot create archive directory {self.root}: {exc}. Set TRAJBUS_ARCHIVE__URL "
@@ -301,6 +320,20 @@ class LocalStore(ObjectStore):
                         continue  # deleted while listing
         out.sort(key=lambda o: o.key)
         return out
+
+    def has_any(self, prefix: str) -> bool:
+        _validate_prefix(prefix)
+        dir_part = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self.root / dir_part if dir_part else self.root
+        if not start.is_dir():
+            return False
+        for dirpath, _dirs, files in os.walk(start):
+            for name in files:
+                key = os.path.relpath(os.path.join(dirpath, name), self.root)
+                if not name.startswith(".tmp-") and \
+                        key.replace(os.sep, "/").startswith(prefix):
+                    return True
+        return False
 
     def delete(self, key: str) -> None:
         try:
@@ -455,6 +488,13 @@ class S3Store(ObjectStore):
         out.sort(key=lambda o: o.key)
         return out
 
+    def has_any(self, prefix: str) -> bool:
+        _validate_prefix(prefix)
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        resp = self._retrying(f"list {full or '/'}", lambda: self._client.list_objects_v2(
+            Bucket=self.bucket, Prefix=full, MaxKeys=1))
+        return bool(resp.get("KeyCount") or resp.get("Contents"))
+
     def delete(self, key: str) -> None:
         full = self._k(key)
         self._retrying(f"delete {full}", lambda: self._client.delete_object(
@@ -491,13 +531,14 @@ def _arrow_s3(endpoint_url: str | None, client: Any) -> pafs.S3FileSystem:
 
 
 def open_store(url: str, endpoint_url: str | None = None, *, check: bool = True,
-               retry_s: float = 0.0) -> ObjectStore:
+               retry_s: float = 0.0, create: bool = True) -> ObjectStore:
     """Open the store at ``url``: a local directory or ``s3://bucket[/prefix]``.
 
     With ``check`` (the default) an S3 store verifies bucket and credentials now and raises
     :class:`StoreConfigError` with what to set. ``retry_s`` > 0 makes an S3 store ride out
     transient outages of up to that many seconds (see the module docstring); the start-up
-    check itself never waits, so a wrong endpoint fails fast.
+    check itself never waits, so a wrong endpoint fails fast. ``create=False`` (readers): a
+    local directory is not created.
     """
     if url.startswith("s3://"):
         parsed = urlparse(url)
@@ -511,4 +552,46 @@ def open_store(url: str, endpoint_url: str | None = None, *, check: bool = True,
         raise StoreConfigError(
             f"unsupported archive URL {url!r}: use a local directory or s3://bucket/prefix"
         )
-    return LocalStore(url)
+    return LocalStore(url, create=create)
+
+
+ARCHIVE_MARKER = "_trajbus_archive.json"
+"""Written by the archiver when it starts: this location is a trajbus archive (even before
+its first object)."""
+
+_ARCHIVE_AREAS = ("events/", "index/")
+
+
+def mark_archive(store: ObjectStore) -> None:
+    """Mark ``store`` as a trajbus archive (once; the archiver calls it when it starts)."""
+    if not store.exists(ARCHIVE_MARKER):
+        store.put_bytes(ARCHIVE_MARKER, b'{"trajbus_archive": 1}\n')
+
+
+def is_archive(store: ObjectStore) -> bool:
+    """Whether ``store`` holds a trajbus archive: the archiver's marker, or archived objects
+    (``events/``, ``index/``: archives written before the marker existed)."""
+    return store.exists(ARCHIVE_MARKER) or any(store.has_any(a) for a in _ARCHIVE_AREAS)
+
+
+def require_archive(store: ObjectStore) -> ObjectStore:
+    """``store``, or :class:`NoArchiveError` saying what was expected there and what was
+    found: a read of a wrong location must fail, not answer zero rows."""
+    if is_archive(store):
+        return store
+    if isinstance(store, LocalStore):
+        if not store.root.exists():
+            found = "no such directory"
+        elif not store.root.is_dir():
+            found = "a file, not a directory"
+        else:
+            names = sorted(os.listdir(store.root))[:5]
+            found = (f"a directory holding {', '.join(names)}" if names
+                     else "an empty directory")
+    else:
+        found = ("other objects under this prefix, none of an archive" if store.has_any("")
+                 else "no object under this prefix")
+    raise NoArchiveError(
+        f"no trajbus archive at {store.url} ({found}): expected events/ and index/ (or "
+        f"{ARCHIVE_MARKER}, written by `trajbus archive run`) there (see `trajbus archive "
+        "--help`); set TRAJBUS_ARCHIVE__URL or --url to the archive's location")

@@ -38,6 +38,7 @@ BENCHES: dict[str, tuple[str, list[str], list[str], bool]] = {
     "scheduler": ("bench_scheduler.py", [], ["--repeat", "1"], False),
     "archive": ("bench_archive.py", [], ["--events", "1000000", "--throughput-events",
                                          "200000", "--hour-events", "200000"], False),
+    "archive_freshness": ("bench_archive_freshness.py", [], ["--minutes", "15"], False),
     "e2e": ("bench_e2e.py", [], ["--events", "15000", "--seconds", "8",
                                  "--overlap-episodes", "4"], True),
     "worker": ("bench_worker.py", [], ["--events", "15000", "--repeat", "1"], True),

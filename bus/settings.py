@@ -258,6 +258,10 @@ class ArchiveSettings(BaseModel):
     target_object_bytes: int = 64 * 1024 * 1024
     row_group_rows: int = 50_000
     max_open_ms: int = 6 * 3600 * 1000  # rotation by event time: archival every 6 hours
+    # Freshness: a batch is written once its first row is this old in the log's time (the
+    # Kafka timestamps of later records and ticks, or the archiver's timer on a quiet fleet):
+    # an acknowledged event is queryable about this long (plus one write) after it was sent.
+    flush_after_ms: int = Field(default=30_000, ge=1_000)
     spool_dir: str = ".trajbus/spool"
     retention_days: int = 90
     # How long the archiver (and compaction/retention) wait out an S3 outage, retrying with

@@ -308,7 +308,10 @@ def test_operators_mistakes_against_the_broker(kafka_broker: object, unique_name
     proc = _cli(env, "topics", "delete", "debug-web-shop")
     assert proc.returncode == 1 and "no topic" in proc.stderr
 
-    # SQL with a typo: DuckDB's message and a hint
+    # SQL with a typo: DuckDB's message and a hint (in an archive, empty: not yet written)
+    from trajbus.archive.storage import LocalStore, mark_archive
+
+    mark_archive(LocalStore(tmp_path / "archive"))
     proc = _cli(env, "archive", "sql", "SELECT * FROM evnts")
     assert proc.returncode == 1
     assert 'Did you mean "events"' in proc.stderr and "hint:" in proc.stderr
