@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast lint bench soak setup jars browser clean help
+.PHONY: demo test test-fast lint bench soak setup jars browser promtool clean help
 
 help:
 	@echo "make demo   - run the main job: local Kafka, processors, simulated fleet, archive"
@@ -18,7 +18,7 @@ help:
 	@echo "             then the scale test (20,000 open episodes: SIGKILL, join, leave)"
 	@echo "make lint   - ruff + mypy"
 
-setup: $(STAMP) jars browser
+setup: $(STAMP) jars browser promtool
 
 # Headless Chromium renders the waterfall report in a test; without it that one test skips.
 browser:
@@ -27,6 +27,16 @@ browser:
 	    (apt-get update -qq && apt-get install -y -qq --no-install-recommends \
 	      chromium-headless-shell >/dev/null) ; } || \
 	  echo "note: no headless Chromium; the HTML report rendering test will be skipped"
+
+# promtool checks the shipped Prometheus alert rules (infra/monitoring/) in a test; without it
+# that check skips (the metric names the rules and dashboard use are checked all the same).
+promtool:
+	@command -v promtool >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    (apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
+	     (apt-get update -qq && apt-get install -y -qq --no-install-recommends \
+	      prometheus >/dev/null)) ; } || \
+	  echo "note: no promtool; the alert rules' promtool check will be skipped"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -47,6 +47,9 @@ from trajbus.schemas.codec import Codec, DecodeError, default_codec
 
 log = logging.getLogger(__name__)
 
+IDLE_COMMIT_INTERVAL_S = 1.0
+"""How often at most the archiver commits past records that need no writing (ticks...)."""
+
 DeadLetterFn = Callable[[str, int, int, bytes | None, bytes, str, str],
                         Awaitable[bool | None] | bool | None]
 """``dead_letter(topic, partition, offset, key, value, reason_code, reason)``; returns False
@@ -97,6 +100,24 @@ class ArchiverStats:
     note: str | None = None  # why the archiver had nothing to do, when it had nothing to do
 
 
+@dataclass
+class ArchiverState:
+    """What ``/readyz`` of ``trajbus archive run`` reports, kept current by :func:`run_archiver`:
+    ready once its consumer started, the group assigned it partitions (possibly none, in a
+    group with more members than partitions) and every one is set up (batch markers read)."""
+
+    started: bool = False
+    assigned: int | None = None  # partitions of the last assignment; None: none yet
+    setting_up: int = 0  # assigned partitions whose store state is still being read
+    stopping: bool = False
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        ok = (self.started and self.assigned is not None and self.setting_up == 0
+              and not self.stopping)
+        return ok, {"started": self.started, "assigned_partitions": self.assigned,
+                    "setting_up": self.setting_up, "stopping": self.stopping}
+
+
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -116,6 +137,7 @@ class ArchiveShell:
         self._conflict_spools: dict[tuple[str, int], Spool] = {}
         self.dedupe = Deduper(store, max_keys=dedupe_max_keys)
         self.watermark_ms: int | None = None
+        self.newest_written_ms = 0  # the newest event time in a batch written (metrics)
         self.rows = 0
         self.duplicates = 0  # re-sent copies dropped
         self.conflicts = 0  # conflicting copies sent to conflicts/
@@ -203,6 +225,8 @@ class ArchiveShell:
             result = self.writer.write_batch(table, f.topic, f.partition, f.first_offset,
                                              f.last_offset, conflicts=conflicts)
             out.batches.append(result)
+            if f.max_event_time_ms is not None and f.max_event_time_ms > self.newest_written_ms:
+                self.newest_written_ms = f.max_event_time_ms
             self.dedupe.flushed(f.topic, f.partition, f.last_offset, _index_refs(result))
 
     def assigned(self, topic: str, partition: int, committed: int) -> list[tuple[int, int]]:
@@ -223,6 +247,23 @@ class ArchiveShell:
             s = spools.pop((topic, partition), None)
             if s is not None:
                 s.discard()
+
+    def release_idle(self, positions: dict[tuple[str, int], int]
+                     ) -> dict[tuple[str, int], int]:
+        """Of the consumer ``positions`` given (already past the last commit), those that may be
+        committed now because nothing before them waits to be written: no rows and no
+        conflicting copies spooled, no open batch with rows, no recorded boundary to
+        reproduce (:meth:`ArchiveBatcher.release_empty`, which drops a row-less open batch).
+        The caller commits every one returned, or resets the partition if it cannot."""
+        out: dict[tuple[str, int], int] = {}
+        for (topic, partition), pos in positions.items():
+            cs = self._conflict_spools.get((topic, partition))
+            if cs is not None and cs.rows:
+                continue
+            if self.batcher.release_empty(topic, partition):
+                self.dedupe.flushed(topic, partition, pos - 1, [])
+                out[(topic, partition)] = pos
+        return out
 
     def committed(self, results: list[BatchResult]) -> None:
         for r in results:
@@ -326,7 +367,8 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
                        topics: list[str] | None = None,
                        codec: Codec | None = None,
                        poll_timeout_ms: int = 500,
-                       assignment_timeout_s: float = 60.0) -> ArchiverStats:
+                       assignment_timeout_s: float = 60.0,
+                       state: ArchiverState | None = None) -> ArchiverStats:
     """Archive the raw event topics until ``stop_event`` is set (or, with ``until_idle``,
     until every assigned partition is caught up with its end offset at start). On exit the
     open batches are flushed and committed.
@@ -338,7 +380,9 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
     from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
     from aiokafka.errors import CommitFailedError
 
+    from trajbus.archive import metrics
     from trajbus.bus.kafka import connection_options
+    from trajbus.bus.ops import export_lag
 
     cfg = settings.archive
     catalog = Topics(settings)
@@ -354,6 +398,13 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
     loop = asyncio.get_running_loop()
     shell = await loop.run_in_executor(executor, lambda: ArchiveShell(store, cfg, codec))
     stats = ArchiverStats(group_id=group_id, destination=dest.url)
+    st: ArchiverState = state or ArchiverState()
+    newest_ms = [0]  # the newest archived (written and committed) event time
+    metrics.track_freshness(group_id, newest_ms)
+    for counter in (metrics.BATCHES, metrics.OBJECTS, metrics.ROWS, metrics.BYTES):
+        counter.labels(group_id)  # shown as 0 from the start
+    for kind in ("transient", "gave_up"):
+        metrics.STORE_ERRORS.labels(kind)
     log.info("archiving %s into %s as consumer group %s", topics, dest.url, group_id)
 
     consumer = AIOKafkaConsumer(
@@ -388,6 +439,11 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
             # No store I/O here: listing batch markers may wait out an S3 outage, and a
             # callback that blocks the join gets the member expired. The main loop sets up.
             to_set_up.update(assigned)
+            st.assigned = len(assigned)
+            st.setting_up = len(to_set_up)
+            logging.getLogger("trajbus.ops").info(
+                "archiver (group %s): assigned %d partitions %s", group_id, len(assigned),
+                ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(assigned)) or "none")
 
     async def set_up(tp: Any) -> None:
         """Reset the shell's state of ``tp`` to its committed offset (replaying the batch
@@ -396,10 +452,12 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
         if committed is None:
             committed = (await consumer.beginning_offsets([tp]))[tp]
         start_offsets[tp] = committed
+        group_committed[tp] = committed
         pending = await call_shell(shell.assigned, tp.topic, tp.partition, committed)
         if tp not in to_set_up:  # revoked while the store was being read
             return
         to_set_up.discard(tp)
+        st.setting_up = len(to_set_up)
         consumer.seek(tp, committed)
         ready.add(tp)
         if pending:
@@ -438,9 +496,57 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
             return
         for tp, off in offsets.items():
             stats.committed[f"{tp.topic}:{tp.partition}"] = off
+            group_committed[tp] = off
         await call_shell(shell.committed, step.batches)
+        metrics.LAST_COMMIT.labels(group_id).set_to_current_time()
+        for b in step.batches:
+            metrics.BATCHES.labels(group_id).inc()
+            metrics.OBJECTS.labels(group_id).inc(len(b.objects))
+            metrics.ROWS.labels(group_id).inc(sum(o.rows for o in b.objects))
+            metrics.BYTES.labels(group_id).inc(sum(o.bytes for o in b.objects))
+        if shell.newest_written_ms > newest_ms[0]:
+            newest_ms[0] = shell.newest_written_ms
+            metrics.NEWEST_EVENT.labels(group_id).set(newest_ms[0] / 1000)
+
+    last_idle_commit = 0.0
+
+    async def commit_idle() -> None:
+        """Commit past what needs no writing (ticks, re-sent copies, dead letters, transaction
+        markers) when nothing before it waits in an open batch: an idle archiver's lag, as
+        `kafka-consumer-groups --describe` computes it, is then 0 instead of growing by the
+        processors' ticks (RELIABILITY, "Operators' monitoring"). At most once a second."""
+        nonlocal last_idle_commit
+        now = loop.time()
+        if now - last_idle_commit < IDLE_COMMIT_INTERVAL_S:
+            return
+        last_idle_commit = now
+        positions: dict[tuple[str, int], int] = {}
+        for tp in sorted(ready):
+            pos = await consumer.position(tp)
+            if pos > group_committed.get(tp, pos):
+                positions[(tp.topic, tp.partition)] = pos
+        if not positions:
+            return
+        released = await call_shell(shell.release_idle, positions)
+        if not released:
+            return
+        offsets = {TopicPartition(t, p): off for (t, p), off in released.items()}
+        try:
+            await consumer.commit(offsets)
+        except CommitFailedError as exc:
+            log.warning("offset commit refused after a rebalance (%s); the partitions are set "
+                        "up again from their committed offsets", exc)
+            for tp in offsets:
+                ready.discard(tp)
+                if tp in consumer.assignment():
+                    to_set_up.add(tp)
+            return
+        for tp, off in offsets.items():
+            stats.committed[f"{tp.topic}:{tp.partition}"] = off
+            group_committed[tp] = off
 
     start_offsets: dict[Any, int] = {}
+    group_committed: dict[Any, int] = {}  # the group's committed offset, as this member left it
     explained = False
 
     async def explain() -> None:
@@ -462,6 +568,8 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
         log.info("%s", stats.note)
 
     await consumer.start()
+    st.started = True
+    lag = asyncio.create_task(export_lag(group_id, consumer))
     try:
         consumer.subscribe(topics, listener=Listener())
         ends: dict[Any, int] = {}
@@ -483,6 +591,9 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
             stats.records += len(records)
             step = await call_shell(shell.process, records)
             await finish(step)
+            await commit_idle()
+            metrics.OPEN_ROWS.labels(group_id).set(
+                sum(b[2] for b in shell.batcher.open_batches().values()))
             if until_idle:
                 assignment = consumer.assignment()
                 if not assignment:
@@ -515,6 +626,8 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
         await finish(await call_shell(shell.flush_all))
         stats.duplicates, stats.conflicts = shell.duplicates, shell.conflicts
     finally:
+        st.stopping = True
+        lag.cancel()
         try:
             await close_client(consumer, "archiver consumer")
         finally:

@@ -60,6 +60,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--group", help="consumer group (default: one per destination, derived from "
                    "the archive URL: '<prefix>.archiver.s3.<bucket>.<path>' or "
                    "'<prefix>.archiver.local.<dir>-<hash>')")
+    from trajbus.bus.ops import add_ops_arguments
+
+    add_ops_arguments(r)
+    r.add_argument("-v", "--verbose", action="store_true", help="log progress")
     r.set_defaults(archive_func=_cmd_run)
 
     e = sub.add_parser("episode", help="print one episode's events in sequence order",
@@ -153,10 +157,13 @@ def _store(args: argparse.Namespace, *, ride_out_outages: bool = False) -> Any:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from trajbus.archive.archiver import run_archiver
+    from trajbus.archive.archiver import ArchiverState, run_archiver
     from trajbus.bus.kafka import check_broker
+    from trajbus.bus.ops import start_ops
 
     settings = _settings()
+    ops = start_ops(args, settings)
+    state = ArchiverState()
     store = _store(args, ride_out_outages=True)
     asyncio.run(check_broker(settings.kafka))  # a clear error, not a half-started archiver
 
@@ -165,8 +172,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        if ops is not None:  # /readyz asks the archiver, /healthz the loop
+            ops.ready = state.ready
+            ops.attach()
         stats = await run_archiver(settings, stop, store=store, until_idle=args.until_idle,
-                                   group_id=args.group)
+                                   group_id=args.group, state=state)
         if stats.note:
             print(stats.note, file=sys.stderr)
         print(json.dumps({"group": stats.group_id, "records": stats.records, "rows": stats.rows,

@@ -24,6 +24,13 @@ the batch markers plus :meth:`expect`.
 
 Undecodable records still advance the batch's offset range (:meth:`skip`): their offsets are
 committed with the batch, after they went to the dead-letter topic.
+
+A batch of skipped offsets only (the processors' Tick records, re-sent copies, dead letters)
+holds no row: :meth:`release_empty` lets the shell drop it and commit past it without writing
+anything, so an idle archiver's committed offset keeps up with the ticks written into its
+input partitions (a lag exporter reads 0, not a lag growing by the ticks). The shell does so
+only together with a commit, so a batch that opens afterwards starts at (or after) the
+committed offset, as every batch does, and a replay after a crash reproduces its boundary.
 """
 
 from __future__ import annotations
@@ -134,6 +141,21 @@ class ArchiveBatcher:
         self._open.pop(tp, None)
         self._seen.pop(tp, None)
         self._expected.pop(tp, None)
+
+    def release_empty(self, topic: str, partition: int) -> bool:
+        """Whether nothing of (topic, partition) waits to be written: no open batch, or one
+        holding no row (only skipped offsets), which is dropped; never while a batch boundary
+        recorded before a crash is to be reproduced. True: the shell may commit the
+        consumer's position (and must, before any later batch opens)."""
+        tp = (topic, partition)
+        if self._expected.get(tp):
+            return False
+        b = self._open.get(tp)
+        if b is not None:
+            if b.rows:
+                return False
+            del self._open[tp]
+        return True
 
     def reset_position(self, topic: str, partition: int, next_offset: int) -> None:
         """The consumer will (re)deliver from ``next_offset`` (assignment, seek)."""

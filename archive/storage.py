@@ -122,14 +122,18 @@ def call_with_retries(what: str, fn: Callable[[], T], *, retry_s: float,
         try:
             return fn()
         except Exception as exc:
+            from trajbus.archive.metrics import STORE_ERRORS
+
             if retry_s <= 0 or not transient(exc):
                 raise
+            STORE_ERRORS.labels("transient").inc()
             now = clock()
             if first_failure is None:
                 first_failure = now
             attempt += 1
             down_s = now - first_failure
             if down_s >= retry_s:
+                STORE_ERRORS.labels("gave_up").inc()
                 raise StoreUnavailableError(
                     f"object store unavailable for {down_s:.0f}s ({attempt} attempts to {what}; "
                     f"last error {type(exc).__name__}: {exc}). Nothing was committed for the "

@@ -47,6 +47,9 @@ BENCHES: dict[str, tuple[str, list[str], list[str], bool]] = {
                                                          "--repeat", "1"], False),
     "rebalance": ("bench_rebalance.py", [], ["--episodes", "3000", "--steady", "10", "--hold",
                                              "12", "--window", "8"], True),
+    # the trainer client's commit styles (issue 41): per-ack vs coalesced, catch-up events/s
+    "trainer_commit": ("bench_trainer_commit.py", [], ["--episodes", "300", "--repeat", "1"],
+                       True),
     # its own 3-node cluster: the failover of a replicated cluster is what it measures
     "failover": ("bench_failover.py", [], ["--rounds", "2"], False),
 }

@@ -11,9 +11,14 @@ import hashlib
 import uuid
 from collections import Counter
 
+from prometheus_client import Counter as PromCounter
+
 from trajbus.schemas.models import DeadLetter, Envelope, now_ms
 
 counts: Counter[tuple[str, str]] = Counter()
+DEAD_LETTERS = PromCounter("trajbus_dead_letters_total", "Records sent to the dead-letter topic, "
+                           "by the stage that refused them and the reason code",
+                           ["stage", "reason"])
 
 
 def dead_letter_event(
@@ -60,4 +65,6 @@ def dead_letter_event(
 
 
 def count(stage: str, reason_code: str) -> None:
+    """Count one dead letter (in-process and in the ``trajbus_dead_letters_total`` metric)."""
     counts[(stage, reason_code)] += 1
+    DEAD_LETTERS.labels(stage, reason_code).inc()

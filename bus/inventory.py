@@ -247,6 +247,17 @@ async def describe_group(settings: Settings, group: str) -> GroupInfo:
     return GroupInfo(group, g["state"], tuple(sorted(members, key=lambda x: x.client_id)))
 
 
+async def consumer_groups(settings: Settings, starting: str) -> list[str]:
+    """The consumer groups on the cluster whose id starts with ``starting``, sorted."""
+    admin = _admin(settings, "inventory")
+    await admin.start()
+    try:
+        listed = await admin.list_consumer_groups()
+    finally:
+        await close_client(admin)
+    return sorted(g[0] for g in listed if str(g[0]).startswith(starting))
+
+
 TICK_KEY = b"_tick"
 """The key of the Tick records a worker writes into its input partitions (its clock)."""
 

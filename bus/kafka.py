@@ -232,6 +232,16 @@ async def check_broker(k: KafkaSettings) -> list[str]:
                 "and TRAJBUS_KAFKA__SSL_KEYFILE (a certificate its CA trusts)."
             ) from exc
         waited = time.monotonic() - started
+        listening = [a for a in k.bootstrap_servers.split(",") if await _accepts_tcp(a)]
+        if listening and len(listening) == len(k.bootstrap_servers.split(",")) \
+                and waited < 0.9 * k.connect_timeout_s:
+            raise BrokerUnavailableError(
+                f"{', '.join(a.strip() for a in listening)} accepted a connection but did not "
+                f"answer as a Kafka broker ({_plain(exc)}): is it a KRaft controller port "
+                "(controller.listener.names) or another service? Point "
+                "TRAJBUS_KAFKA__BOOTSTRAP_SERVERS at the brokers' client listener (9092 for "
+                "`trajbus kafka up`)."
+            ) from exc
         how = (f"within {k.connect_timeout_s:.0f}s" if waited >= 0.9 * k.connect_timeout_s
                else f"(refused after {waited:.1f}s)")
         raise BrokerUnavailableError(
@@ -242,6 +252,19 @@ async def check_broker(k: KafkaSettings) -> list[str]:
     finally:
         await admin.close()
     return sorted(topics)
+
+
+async def _accepts_tcp(address: str, timeout: float = 2.0) -> bool:
+    """Whether ``host:port`` accepts a TCP connection (something listens there)."""
+    host, _, port = address.strip().rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout)
+    except (TimeoutError, OSError, ValueError):
+        return False
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+    return True
 
 
 async def _tls_refusal(k: KafkaSettings) -> str | None:
@@ -392,7 +415,8 @@ async def retry_while_broker_restarts(
         patience_s: Callable[[], float], what: str) -> T:
     """Run ``attempt`` until it succeeds, retrying its ``transient`` errors (a broker that is
     restarting) with a backoff from 0.25 s doubling to 2 s, until ``patience_s()`` seconds
-    have passed since the first try; then the last error is raised."""
+    have passed since the first try (the last wait is cut short so that one more try lands
+    at the deadline); then the last error is raised."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     delay = 0.25
@@ -400,9 +424,11 @@ async def retry_while_broker_restarts(
         try:
             return await attempt()
         except transient as exc:
-            if loop.time() - started + delay > patience_s():
+            remaining = patience_s() - (loop.time() - started)
+            if remaining <= 0:
                 raise
+            wait = min(delay, remaining)
             log.warning("%s: broker not ready (%s: %s); retrying in %.1fs",
-                        what, type(exc).__name__, exc, delay)
-            await asyncio.sleep(delay)
+                        what, type(exc).__name__, exc, wait)
+            await asyncio.sleep(wait)
             delay = min(2.0, delay * 2)

@@ -8,7 +8,9 @@ once per interval and says how many like it it held back. ``--debug`` shows them
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
 import time
 
 CLIENT_LOGGERS = ("aiokafka", "kafka")
@@ -59,4 +61,42 @@ def limit_client_log(interval_s: float = 30.0) -> RepeatLimiter:
     return limiter
 
 
-__all__ = ["CLIENT_LOGGERS", "RepeatLimiter", "limit_client_log"]
+OPS_LOGGER = "trajbus.ops"
+"""Takeovers (partitions assigned), restores and reconnections: logged at INFO also without -v."""
+
+LOG_FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts`` (ISO-8601 UTC), ``level``, ``logger``, ``message``,
+    and ``exc`` with the traceback when there is one -- for log shippers."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+               + f".{int(record.msecs):03d}Z", "level": record.levelname,
+               "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+def setup_logging(verbose: bool, log_format: str = "text") -> None:
+    """The log of a long-running process: WARNING and up (INFO with ``verbose``), plus the
+    operator's events (:data:`OPS_LOGGER`) at INFO always; ``log_format`` ``text`` or
+    ``json`` (one object per line)."""
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format {log_format!r}: choose text or json")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json"
+                         else logging.Formatter(TEXT_FORMAT))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger(OPS_LOGGER).setLevel(logging.INFO)
+
+
+__all__ = ["CLIENT_LOGGERS", "LOG_FORMATS", "OPS_LOGGER", "JsonFormatter", "RepeatLimiter",
+           "limit_client_log", "setup_logging"]

@@ -48,6 +48,7 @@ class _AddressState:
     failures: int = 0
     retry_at: float = 0.0
     in_flight: int = 0
+    failed_at: float = 0.0
 
 
 class ReconnectBackoff:
@@ -97,12 +98,21 @@ class ReconnectBackoff:
         """Record a failed attempt; returns the delay before the next one may be made."""
         state = self._addresses.setdefault(address, _AddressState())
         state.failures += 1
+        state.failed_at = now
         delay = self.nominal_delay(state.failures) * (1 + JITTER * (2 * self._rng.random() - 1))
         state.retry_at = now + delay
         return delay
 
     def succeeded(self, address: Address) -> None:
         self._addresses.pop(address, None)
+
+    def failing_addresses(self, now: float) -> int:
+        """How many addresses are failing now: their last connection attempt failed, and
+        recently (within three backoffs, at least 10 s). An address nobody retries any more
+        (a client of another cluster, long closed) does not count."""
+        recent_s = max(10.0, 3 * self.max_s)
+        return sum(1 for state in self._addresses.values()
+                   if state.failures and now - state.failed_at <= recent_s)
 
     def failures(self, address: Address) -> int:
         state = self._addresses.get(address)

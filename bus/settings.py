@@ -283,6 +283,9 @@ class Settings(BaseSettings):
     replay: ReplaySettings = Field(default_factory=ReplaySettings)
     archive: ArchiveSettings = Field(default_factory=ArchiveSettings)
     state_dir: Path = Path(".trajbus/state")
+    # The log of the long-running processes (worker, archive run): text lines, or one JSON
+    # object per line for log shippers (TRAJBUS_LOG_FORMAT=json, or --log-format json).
+    log_format: Literal["text", "json"] = "text"
 
 
 class SettingsError(UserError, ValueError):
@@ -290,11 +293,67 @@ class SettingsError(UserError, ValueError):
     variable and what is wrong with it, never a secret's value."""
 
 
+OTHER_VARIABLES = frozenset({
+    "TRAJBUS_DEBUG",  # --debug for every command (trajbus/cli.py)
+    "TRAJBUS_WORKER_ID",  # the default of `trajbus worker --worker-id`
+    "TRAJBUS_KAFKA_PORT", "TRAJBUS_KAFKA_DATA_DIR", "TRAJBUS_KAFKA_LIB_DIR",  # `trajbus kafka`
+    "TRAJBUS_CHROMIUM",  # the browser of `replay waterfall` (consumers/operator/waterfall.py)
+    # the test suite's and `make soak`'s knobs (tests/)
+    "TRAJBUS_TEST_BOOTSTRAP", "TRAJBUS_SCALE_TEST", "TRAJBUS_SCALE_EPISODES",
+    "TRAJBUS_CLUSTER_FAULTS",
+})
+"""``TRAJBUS_*`` variables that are not settings but are read elsewhere: known, so not refused
+by :func:`check_unknown_variables`."""
+
+
+def setting_variables(model: type[BaseModel] = Settings, prefix: str = "TRAJBUS_"
+                      ) -> tuple[set[str], set[str]]:
+    """(every variable naming a setting or a group of settings, the prefixes under which any
+    deeper name is a key of a mapping setting such as ``TRAJBUS_WATCHDOG__PER_TASK__``)."""
+    names: set[str] = set()
+    open_prefixes: set[str] = set()
+    for field_name, info in model.model_fields.items():
+        name = prefix + field_name.upper()
+        names.add(name)
+        sub = info.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            deeper, more = setting_variables(sub, name + "__")
+            names |= deeper
+            open_prefixes |= more
+        elif "dict" in str(sub).lower():
+            open_prefixes.add(name + "__")
+    return names, open_prefixes
+
+
+def check_unknown_variables(environ: dict[str, str] | None = None) -> None:
+    """Refuse a ``TRAJBUS_*`` variable that names no setting (a typo would otherwise be
+    ignored silently, and the default used), naming the nearest valid one."""
+    import difflib
+
+    env = os.environ if environ is None else environ
+    names, open_prefixes = setting_variables()
+    known = names | OTHER_VARIABLES
+    unknown = sorted(k for k in env if k.upper().startswith("TRAJBUS_")
+                     and k.upper() not in known
+                     and not any(k.upper().startswith(p) for p in open_prefixes))
+    if not unknown:
+        return
+    parts = []
+    for k in unknown:
+        near = difflib.get_close_matches(k.upper(), sorted(known), n=1, cutoff=0.6)
+        parts.append(f"{k}: no such setting" + (f"; did you mean {near[0]}?" if near else ""))
+    raise SettingsError("unknown settings: " + "; ".join(parts),
+                        "the README's settings table describes every TRAJBUS_* variable "
+                        "(`trajbus config` prints them all)")
+
+
 def read_settings() -> Settings:
     """``Settings()`` from the environment, or :class:`SettingsError` saying which variable is
-    wrong. pydantic's own message quotes the inputs, and for a rule over several fields the
-    whole group (``TRAJBUS_KAFKA__SASL_PASSWORD`` included); it is not chained, so a
-    traceback does not print it either."""
+    wrong: one that does not validate, or one that names no setting
+    (:func:`check_unknown_variables`). pydantic's own message quotes the inputs, and for a
+    rule over several fields the whole group (``TRAJBUS_KAFKA__SASL_PASSWORD`` included); it
+    is not chained, so a traceback does not print it either."""
+    check_unknown_variables()
     try:
         return Settings()
     except ValidationError as exc:

@@ -132,6 +132,9 @@ EXACT_FIELDS: Mapping[str, str] = {
     "TraceChunk.blob.uri": "claim-check reference built from settings and the content hash",
     "TraceChunk.blob.sha256": "sha256 hex of the (redacted) blob bytes",
     "Drained.final_seqs[].episode": "episode id (validate_name alphabet)",
+    "DecisionAck.decision_event_id": "event id of the decision (validate_name alphabet): "
+                                     "the scheduler and `alerts` join on it",
+    "DecisionAck.decision": "decision kind (validate_name alphabet), e.g. TERMINATE",
 }
 
 
@@ -834,8 +837,10 @@ class SandboxEmitter:
         """Answer a scheduling decision about this sandbox (its ``header.event_id``): carried
         out (``done``) or not, with what happened. ``trajbus alerts`` shows a TERMINATE as
         done only once this arrives; a failed one becomes the scheduler's ANOMALY."""
+        validate_name("decision event", decision_event_id)
+        validate_name("decision", decision)
         eid, _ = await self._emit("DecisionAck", None, {
-            "decision_event_id": self._text(decision_event_id), "decision": decision,
+            "decision_event_id": decision_event_id, "decision": decision,
             "outcome": "DONE" if done else "FAILED", "detail": self._text(detail),
         }, event_time_ms=event_time_ms)
         return eid

@@ -12,14 +12,18 @@ a :class:`DecodeError` subclass carrying a stable ``reason_code`` for the dead-l
 from __future__ import annotations
 
 import io
+import json
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 
 from trajbus.schemas.registry import SchemaInfo, SchemaRegistry, default_registry
+
+JSONValue: TypeAlias = "dict[str, JSONValue] | list[JSONValue] | str | int | float | bool | None"
+"""A parsed JSON value (:meth:`Decoded.result_json`)."""
 
 MAGIC = b"\xc3\x01"
 HEADER_LEN = 10
@@ -73,6 +77,34 @@ class Decoded:
     def header(self) -> dict[str, Any]:
         h: dict[str, Any] = self.record["header"]
         return h
+
+    @property
+    def seq(self) -> int:
+        """The event's sequence number in its sandbox's stream."""
+        return int(self.record["header"]["seq"])
+
+    def args_json(self) -> dict[str, Any] | None:
+        """A ToolCall's arguments, parsed from ``args_canonical`` (the canonical JSON the
+        emitter sent, redacted); None when only their hash and summary were sent (arguments
+        over 4 KiB). Raises TypeError for another kind, or arguments that are not a JSON
+        object (read ``record["args_canonical"]`` then)."""
+        parsed = self._canonical("ToolCall", "args_canonical")
+        if parsed is not None and not isinstance(parsed, dict):
+            raise TypeError(f"this ToolCall's arguments are a JSON {type(parsed).__name__}, "
+                            "not an object")
+        return parsed
+
+    def result_json(self) -> JSONValue:
+        """A ToolResult's result, parsed from ``result_canonical`` (any JSON value); None when
+        only its hash and summary were sent (results over 4 KiB) -- or the result was null.
+        Raises TypeError for another kind."""
+        return self._canonical("ToolResult", "result_canonical")
+
+    def _canonical(self, kind: str, field: str) -> Any:
+        if self.kind != kind:
+            raise TypeError(f"{field} is a {kind}'s field; this event is a {self.kind}")
+        text = self.record.get(field)
+        return None if text is None else json.loads(text)
 
 
 class Head(NamedTuple):

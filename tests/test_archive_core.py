@@ -229,3 +229,18 @@ def test_fast_sort_equals_arrow_sort_by(rows: list[tuple[str, str | None, int, i
                   "kafka_offset": pa.array([r[3] for r in rows], pa.int64())})
     assert sort_table(t, SORT_COLUMNS).equals(
         t.sort_by([(c, "ascending") for c in SORT_COLUMNS]))
+
+
+def test_a_batch_of_skipped_offsets_only_is_released_but_never_one_with_rows() -> None:
+    """Ticks (skipped offsets) open a batch holding no row: the shell may drop it and commit
+    past it; a batch with a row, or a boundary to reproduce after a crash, is kept."""
+    b = ArchiveBatcher(target_object_bytes=1_000, max_open_ms=1_000)
+    for off in range(3):
+        assert b.skip("t", 0, off) == []
+    assert b.release_empty("t", 0) and b.open_batches() == {}
+    assert b.add("t", 0, 3, 10, 5) == [] and b.skip("t", 0, 4) == []
+    assert not b.release_empty("t", 0) and b.open_batches()[("t", 0)] == (3, 4, 1, 5)
+    b.expect("t", 1, 0, 5)
+    b.skip("t", 1, 0)
+    assert not b.release_empty("t", 1)
+    assert b.release_empty("t", 2)  # nothing open at all

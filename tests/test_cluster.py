@@ -167,10 +167,7 @@ async def test_status_shows_a_dead_node_as_under_replicated_partitions(
         await asyncio.sleep(0.5)
 
 
-@pytest.mark.parametrize("fault", ["kill", pytest.param("pause", marks=pytest.mark.skipif(
-    not os.environ.get("TRAJBUS_CLUSTER_FAULTS"),
-    reason="timed out once in a fresh-clone run under load (2026-12-05); under study: "
-           "TRAJBUS_CLUSTER_FAULTS=1 runs it"))])
+@pytest.mark.parametrize("fault", ["kill", "pause"])
 async def test_start_up_with_the_first_bootstrap_node_dead_or_frozen(
         restore_cluster: LocalCluster, fault: str) -> None:
     """Start-up fails fast when Kafka is away, but one node of three down is no reason: the

@@ -32,7 +32,7 @@ def test_the_section_has_the_examples_it_promises() -> None:
     code = "\n".join(s.code for s in SNIPPETS)
     for name in ("list_tasks(", "ALL_TASKS", "task_pattern=", 'start="earliest"', '"latest"',
                  '"-1h"', "datetime", "missing_tasks(", "SyncReplayClient", "break",
-                 "max_in_flight="):
+                 "max_in_flight=", "commit()"):
         assert name in code, f"README trainer section lacks an example of {name}"
     assert all(s.output is not None for s in SNIPPETS), "each example shows its output"
 

@@ -65,6 +65,19 @@ def test_a_successful_connection_resets_the_backoff() -> None:
     assert first <= 0.05 * (1 + JITTER), "after a success the next failure starts again at base"
 
 
+def test_only_addresses_retried_recently_count_as_failing() -> None:
+    """A trainer's "working again" line waits for no failing address; an address nobody
+    retries any more (a closed client's dead broker, in CI another test's) must not hold it
+    back forever (found in CI, 2026-12-05: the line never came)."""
+    b = ReconnectBackoff(base_s=0.05, max_s=1.0, rng=random.Random(3))
+    b.failed(BROKER, now=100.0)
+    b.failed(("127.0.0.1", 1), now=50.0)
+    assert b.failing_addresses(now=100.5) == 1
+    assert b.failing_addresses(now=115.0) == 0
+    b.succeeded(BROKER)
+    assert b.failing_addresses(now=100.5) == 0
+
+
 def test_a_zero_base_turns_the_backoff_off() -> None:
     b = ReconnectBackoff(base_s=0.0, max_s=1.0)
     b.failed(BROKER, now=1.0)

@@ -62,7 +62,7 @@ NOT_EMITTED: dict[str, str] = {
 NO_EVENT_METHODS = {"start", "close", "abort", "flush"}
 #: The public methods the scenario below calls: every one that writes an event.
 EVENT_METHODS = {"lifecycle", "heartbeat", "liveness", "start_episode", "end_episode",
-                 "tool_call", "tool_result", "trace_chunk", "drain"}
+                 "tool_call", "tool_result", "trace_chunk", "drain", "acknowledge"}
 
 MARKER = "[REDACTED:"
 
@@ -258,6 +258,8 @@ async def drive(em: SandboxEmitter) -> None:
     claimed = (planted("blob") + "\n").encode() * 20  # above the claim-check threshold
     await em.trace_chunk("ep-1", claimed, file_offset=len(inline), content_type=content_type)
     await em.end_episode("ep-1", "TRUNCATED", reason=planted("end"))
+    await em.acknowledge("0123456789abcdef0123456789abcdef", decision="TERMINATE", done=False,
+                         detail=planted("ack detail"))
     await em.start_episode("ep-2")  # left open: Drained lists its final seq
     report = await em.drain(20, detail=planted("detail"))
     assert report.complete, report

@@ -138,3 +138,46 @@ def test_a_urls_user_info_is_masked_wherever_it_is_quoted() -> None:
     for plain in ("s3://bucket/prefix", "http://127.0.0.1:9000/a@b", ".trajbus/archive",
                   "user@example.com"):
         assert mask_url_credentials(plain) == plain
+
+
+def test_a_misspelled_variable_is_refused_naming_the_nearest_valid_one() -> None:
+    """Issue 37 item 5: a typo was silently ignored and the default used (a worker pointed at
+    127.0.0.1:9092 instead of the cluster)."""
+    got = _trajbus("config", TRAJBUS_KAFKA__BOOTSTRAP_SERVER="kafka-1:9092",
+                   TRAJBUS_ARCHIVE_URL="s3://b/p")
+    assert got.returncode == 1 and "Traceback" not in got.stderr
+    first = got.stderr.splitlines()[0]
+    assert first == (
+        "trajbus: error: unknown settings: TRAJBUS_ARCHIVE_URL: no such setting; did you mean "
+        "TRAJBUS_ARCHIVE__URL?; TRAJBUS_KAFKA__BOOTSTRAP_SERVER: no such setting; did you "
+        "mean TRAJBUS_KAFKA__BOOTSTRAP_SERVERS?"), got.stderr
+
+
+def test_every_trajbus_variable_the_repo_uses_is_known() -> None:
+    """The variables the README, Makefile, CI, infra, bench and tests set are settings or on
+    the allow-list of variables read elsewhere (bus.settings.OTHER_VARIABLES), so the check
+    refuses typos only."""
+    import re
+
+    from trajbus.bus.settings import OTHER_VARIABLES, setting_variables
+
+    names, open_prefixes = setting_variables()
+    used: set[str] = set()
+    for path in [REPO / "README.md", REPO / "Makefile", *(REPO / ".ci").glob("*"),
+                 *(REPO / "infra").rglob("*.yml"), *(REPO / "bench").glob("*.py"),
+                 *(REPO / "tests").glob("*.py"), *(REPO / "trajbus").glob("*.py")]:
+        if path.is_file():
+            used |= set(re.findall(r"\bTRAJBUS_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    # names a test sets on purpose to show an error (bad values, typos), and group prefixes
+    shown_wrong = {"TRAJBUS_API_TOKEN", "TRAJBUS_PORT", "TRAJBUS_ARCHIVE_URL",
+                   "TRAJBUS_KAFKA__BOOTSTRAP_SERVER"}
+    unknown = sorted(n for n in used - shown_wrong if n not in names | OTHER_VARIABLES
+                     and not any(n.startswith(p) for p in open_prefixes))
+    assert not unknown, unknown
+
+
+def test_variables_read_elsewhere_and_mapping_keys_are_accepted() -> None:
+    got = _trajbus("config", TRAJBUS_WORKER_ID="w9", TRAJBUS_DEBUG="",
+                   TRAJBUS_LOG_FORMAT="json")
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout)["log_format"] == "json"

@@ -1,11 +1,12 @@
 """The trainer client's commit policies (issue 17, item 3: live latency), against a real broker.
 
-By default every ``ack()`` returns once its commit is done. With ``commit_every_ms`` > 0 it
-does not wait: a committer task commits in the background, one commit in flight, every
-acknowledgement made meanwhile in the next (before, the ack that found a commit due waited
-for it). ``commit()`` (and ``stop()``) return once everything acknowledged is committed, so a
-trainer restarted in the same group sees nothing it acknowledged before. A background commit
-that fails is raised by the trainer's next call."""
+With ``commit_every_ms=0`` every ``ack()`` returns once its commit is done. With
+``commit_every_ms`` > 0 (the default is 100, issue 41) it does not wait: a committer task
+commits in the background, one commit in flight, every acknowledgement made meanwhile in the
+next (before, the ack that found a commit due waited for it). ``commit()`` (and ``stop()``)
+return once everything acknowledged is committed, so a trainer restarted in the same group
+sees nothing it acknowledged before. A background commit that fails is raised by the
+trainer's next call."""
 
 from __future__ import annotations
 
@@ -87,12 +88,12 @@ async def test_acks_do_not_wait_for_commits_and_commit_makes_them_durable(
     assert await _left_over(settings, group) == 0  # nothing acknowledged comes again
 
 
-async def test_by_default_every_ack_returns_committed(kafka_broker: object,
-                                                      unique_name: str) -> None:
+async def test_with_commit_every_ms_0_every_ack_returns_committed(kafka_broker: object,
+                                                                  unique_name: str) -> None:
     settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
     await publish_replay(settings, "web-shop", make_episodes(EPISODES, seed=2, task="web-shop"))
     group = f"{unique_name}-strict"
-    client = Counting("web-shop", group, settings)
+    client = Counting("web-shop", group, settings, commit_every_ms=0)
     await client.start()
     try:
         assert await _read_all(client, EPISODES) == EPISODES
@@ -100,7 +101,7 @@ async def test_by_default_every_ack_returns_committed(kafka_broker: object,
         assert client.acks_before_commit == 0  # ... or more); each ack returned committed
     finally:
         committer = client._committer
-        assert committer is None  # the default never starts one
+        assert committer is None  # the per-ack style never starts one
         assert client._consumer is not None
         await client._consumer.stop()  # a crash: no final commit, none needed
         client._consumer = None
@@ -172,7 +173,7 @@ async def test_a_commit_waits_while_the_partitions_are_revoked_and_not_yet_assig
     settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
     await publish_replay(settings, "web-shop", make_episodes(8, seed=5, task="web-shop"))
     group = f"{unique_name}-revoked"
-    async with ReplayClient("web-shop", group, settings) as client:
+    async with ReplayClient("web-shop", group, settings, commit_every_ms=0) as client:
         got = [seg async for seg in _take(client, 8)]
         by_partition = {seg.partition for seg in got}
         assert len(by_partition) == 2, "the test needs segments in both partitions"
@@ -290,7 +291,7 @@ async def test_an_ack_beyond_an_unacknowledged_segment_is_committed_at_once(
     settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
     await publish_replay(settings, "web-shop", make_episodes(8, seed=8, task="web-shop"))
     group = f"{unique_name}-beyond"
-    client = ReplayClient("web-shop", group, settings)
+    client = ReplayClient("web-shop", group, settings, commit_every_ms=0)
     await client.start()
     try:
         got = [seg async for seg in _take(client, 8)]

@@ -205,8 +205,9 @@ def _recycled(decisions: list[str]) -> bool:
 async def _supervise(settings: Settings, faults: Faults,
                      workers: list[subprocess.Popen[bytes]], worker_log: Path,
                      stop: asyncio.Event) -> None:
-    """Restart the worker after it exited at start-up because the broker was down (what a
-    process supervisor does); record any other exit as unexpected (the run then fails)."""
+    """Restart the worker after it exited at start-up because the broker was down or nodes of
+    the cluster were (what a process supervisor does); record any other exit as unexpected
+    (the run then fails)."""
     t0 = time.monotonic()
     while not stop.is_set():
         await asyncio.sleep(0.5)
@@ -219,11 +220,15 @@ async def _supervise(settings: Settings, faults: Faults,
             tail = log_file.read().decode(errors="replace")[-8000:].strip()
         # the worker's one-line error (asyncio's shutdown warnings can follow it)
         errors = [line for line in tail.splitlines() if line.startswith("trajbus: error:")]
-        if errors and "did not answer" in errors[-1]:  # the broker is down: fail-fast message
+        # fail-fast messages at start-up: the broker is down, or nodes of the cluster are (its
+        # topics cannot get their replicas; the worker waits a minute for them, then exits)
+        why = ("broker down" if errors and "did not answer" in errors[-1] else
+               "cluster short of brokers" if errors and " live broker" in errors[-1] else None)
+        if why is not None:
             await asyncio.sleep(1.0)
             workers.append(_start_worker(settings, worker_log))
             faults.log.append(f"{time.monotonic() - t0:.1f}s: worker pid {current.pid} exited "
-                              f"at start-up (broker down), restarted as pid {workers[-1].pid}")
+                              f"at start-up ({why}), restarted as pid {workers[-1].pid}")
             _say(faults.log[-1])
         else:
             faults.unexpected_exits.append(f"worker pid {current.pid} exited with code "

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import signal
 import sys
@@ -47,8 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "restarted worker fences its previous incarnation (default w0)")
     w.add_argument("--until-idle", type=float, default=None, metavar="SECONDS",
                    help="exit after no input for this long (for batch runs and tests)")
-    w.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on this port")
+    from trajbus.bus.ops import add_ops_arguments
+
+    add_ops_arguments(w)
     w.add_argument("-v", "--verbose", action="store_true", help="log progress")
     # Removed option, kept only to explain itself to scripts that still pass it.
     w.add_argument("--engine", default=None, help=argparse.SUPPRESS)
@@ -115,12 +115,16 @@ def build_specs(settings: Settings, names: list[str]) -> list[Any]:
 
 async def run_workers(settings: Settings, names: list[str], worker_id: str,
                       until_idle: float | None = None, *,
-                      on_stop: Callable[[str], None] | None = None) -> dict[str, int]:
+                      on_stop: Callable[[str], None] | None = None,
+                      ops: Any = None) -> dict[str, int]:
     """Run the named processors in this process until a signal, ``until_idle`` or a failure
     (:class:`~trajbus.consumers.engine.supervisor.Worker` says what survives what)."""
     from trajbus.consumers.engine.supervisor import Worker
 
     worker = Worker(settings, build_specs(settings, names), worker_id, on_stop=on_stop)
+    if ops is not None:  # bus.ops.OpsServer: /readyz asks the worker, /healthz the loop
+        ops.ready = worker.ready
+        ops.attach()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
@@ -131,28 +135,22 @@ async def run_workers(settings: Settings, names: list[str], worker_id: str,
 
 
 def _worker(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if not getattr(args, "debug", False):  # --debug: every line of the Kafka client
-        from trajbus.bus.logs import limit_client_log
+    from trajbus.bus.ops import start_ops
 
-        limit_client_log()
+    settings = get_settings()
+    ops = start_ops(args, settings)
     if args.engine not in (None, "aiokafka"):
         print(f"error: --engine {args.engine} is no longer available: the faust engine was "
               "removed because it could lose events after a SIGKILL (README, 'Design'). "
               "Drop the option; the transactional worker is the only engine.", file=sys.stderr)
         return 2
     names = [n.strip() for n in args.processors.split(",") if n.strip()]
-    if args.metrics_port:
-        from trajbus.consumers.engine.metrics import start_http_server
-
-        start_http_server(args.metrics_port, addr="127.0.0.1")
     from trajbus.consumers.engine.supervisor import arm_hard_exit
 
     # Once the worker begins to stop (a signal, a failed processor), it must be gone within a
     # deadline, so that its supervisor can start it again (RELIABILITY.md, finding X).
-    counts = asyncio.run(run_workers(get_settings(), names, args.worker_id, args.until_idle,
-                                     on_stop=lambda reason: arm_hard_exit(reason)))
+    counts = asyncio.run(run_workers(settings, names, args.worker_id, args.until_idle,
+                                     on_stop=lambda reason: arm_hard_exit(reason), ops=ops))
     print(json.dumps({"processed": counts}), file=sys.stderr)
     return 0
 

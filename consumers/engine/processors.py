@@ -53,8 +53,9 @@ class _Adapter:
         them), with ``conflicting`` (the version kept instead) for a conflicting duplicate.
         Never a poison pill: what does not fit the derived topics' record limit is truncated,
         and the reason says where the whole bytes are."""
-        deadletter.count(self.stage, code)
-        metrics.DEAD_LETTERS.labels(self.stage, code).inc()
+        deadletter.count(self.stage, code)  # also trajbus_dead_letters_total
+        if code == "conflicting_duplicate":
+            metrics.CONFLICTS.inc()
         h = header or {}
         original = rec.value if value is None else value
         room = self.topics.derived_max_bytes - 64 * 1024

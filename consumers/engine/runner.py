@@ -63,6 +63,7 @@ from trajbus.bus.kafka import (
     retry_while_broker_restarts,
     sender_crash,
 )
+from trajbus.bus.ops import export_lag
 from trajbus.bus.producer import producer_options
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics, TopicSpec
@@ -70,6 +71,9 @@ from trajbus.consumers.engine import metrics
 from trajbus.schemas.models import Envelope, Tick
 
 log = logging.getLogger("trajbus.runner")
+# What an operator must see without -v (takeovers, reconnections): INFO even when the rest of
+# the worker's log is at WARNING (consumers/engine/cli.py).
+ops_log = logging.getLogger("trajbus.ops")
 TICK_KEY = b"_tick"
 _MAX_IDLE_S = 10.0
 _STATS_S = 10.0
@@ -345,6 +349,12 @@ class Runner:
         self.idle_batches = 0
         self.processed = 0
         self.started = False  # its clients started: it got past start-up (see run)
+        # Input partitions of the last assignment, once restored (None: none yet): /readyz
+        self.assigned: list[TopicPartition] | None = None
+        for outcome in ("committed", "aborted", "failed"):  # shown as 0 from the start
+            metrics.TRANSACTIONS.labels(spec.name, outcome)
+        metrics.RESTORED_RECORDS.labels(spec.name)
+        metrics.PROCESSOR_RESTARTS.labels(spec.name)
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
         self._known_topics: set[str] = set()
@@ -398,6 +408,11 @@ class Runner:
                 log.info("%s: kept the state of partitions %s across the rebalance (no "
                          "restore)", self.spec.name, sorted(keep))
             self._parked.clear()  # not kept: another member has them, or they moved on
+            new = sorted({tp.partition for tp in assigned
+                          if self._slot(tp.partition) not in keep})
+            ops_log.info("%s (%s): assigned %d input partitions %s; taking over %s",
+                         self.spec.name, self.instance_id, len(assigned),
+                         _partitions_text(assigned), new if new else "none (all kept)")
             self._committed.update(committed)
             todo = [tp for tp in assigned if self._slot(tp.partition) not in self.cores]
             if todo and keep and self._consumer is not None and not self.spec.ordered:
@@ -410,6 +425,17 @@ class Runner:
                          self.spec.name, sorted({tp.partition for tp in todo}))
             else:
                 await self._restore(assigned)
+            self.assigned = assigned
+            metrics.ASSIGNED_PARTITIONS.labels(self.spec.name).set(len(assigned))
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        """For /readyz: clients started, group joined, partitions assigned and restored."""
+        restoring = self._restoring is not None and not self._restoring.done()
+        ok = self.started and self.assigned is not None and not restoring \
+            and not self.stopping.is_set()
+        return ok, {"started": self.started, "stopping": self.stopping.is_set(),
+                    "assigned_partitions": None if self.assigned is None
+                    else len(self.assigned), "restoring": restoring}
 
     async def _restore_then_resume(self, tps: list[TopicPartition]) -> None:
         await self._restore(tps)
@@ -494,8 +520,11 @@ class Runner:
         fresh, restored = await asyncio.to_thread(self._restore_in_thread, slots,
                                                   self._abort_restore)
         self.cores.update(fresh)
-        log.info("%s: restored %d state records for partitions %s in %.2fs",
-                 self.spec.name, restored, slots, time.monotonic() - started)
+        took = time.monotonic() - started
+        metrics.RESTORE_SECONDS.labels(self.spec.name).observe(took)
+        metrics.RESTORED_RECORDS.labels(self.spec.name).inc(restored)
+        ops_log.info("%s: restored %d state records for partitions %s in %.2fs",
+                     self.spec.name, restored, slots, took)
 
     def _restore_in_thread(self, slots: list[int], abort: threading.Event
                            ) -> tuple[dict[int, Processor], int]:
@@ -681,6 +710,10 @@ class Runner:
         start_up.result()
         assert self._producer is not None and self._consumer is not None
         self.started = True
+        if recovering:
+            ops_log.info("%s: reconnected to Kafka at %s; rejoining group %s from its "
+                         "committed state", self.spec.name, self.settings.kafka.bootstrap_servers,
+                         self.group_id)
         if self.spec.input_pattern:
             pattern = "|".join([self.spec.input_pattern] +
                                [re.escape(t) + "$" for t in self.spec.input_topics])
@@ -688,6 +721,7 @@ class Runner:
         else:
             self._consumer.subscribe(self.spec.input_topics, listener=_Rebalance(self))
         ticker = asyncio.create_task(self._ticker())
+        lag = asyncio.create_task(export_lag(self.group_id, self._consumer))
         idle_since = time.monotonic()
         clean = False
         try:
@@ -744,6 +778,7 @@ class Runner:
             if inflight is not None:  # failing or stopping: the broker aborts it (or it commits)
                 await _give_up(inflight)  # the producer is closed next, its transaction with it
             ticker.cancel()
+            lag.cancel()
             # its error (if any) was raised above; here it must not skip closing the clients
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await ticker
@@ -967,11 +1002,18 @@ class Runner:
         t_txn = time.perf_counter()
         try:
             await self._transact(outs, state, offsets)
-        except KafkaError:
+        except BaseException as exc:
+            # cancelled, fatal or the sender gone: nobody aborted it (the broker will)
+            fatal = (not isinstance(exc, Exception) or sender_crash(self._producer) is not None
+                     or self._producer._txn_manager.is_fatal_error())
+            metrics.TRANSACTIONS.labels(self.spec.name, "failed" if fatal else "aborted").inc()
+            if not isinstance(exc, KafkaError):
+                raise
             crash = sender_crash(self._producer)
             if crash is not None:  # it carries the cause (the broker went away, or not)
                 raise crash  # noqa: B904 -- the failed transaction stays its context
             raise
+        metrics.TRANSACTIONS.labels(self.spec.name, "committed").inc()
         self._committed.update(offsets)
         counts_out: dict[str, int] = {}
         for out in outs:
@@ -1090,3 +1132,10 @@ class Runner:
                 seq += 1
         finally:
             await self._close(producer, "ticker producer", TICKER_CLOSE_S)
+
+
+def _partitions_text(tps: Iterable[TopicPartition]) -> str:
+    by_topic: dict[str, list[int]] = {}
+    for tp in tps:
+        by_topic.setdefault(tp.topic, []).append(tp.partition)
+    return "; ".join(f"{t} {sorted(ps)}" for t, ps in sorted(by_topic.items())) or "none"

@@ -27,6 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from trajbus.bus.kafka import broker_went_away
 from trajbus.bus.settings import Settings
@@ -58,6 +59,22 @@ class Worker:
         self.processed: dict[str, int] = {spec.name: 0 for spec in specs}
         self.restarts: dict[str, int] = {spec.name: 0 for spec in specs}
         self._stop_reason: str | None = None
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        """For /readyz: every processor's runner connected, assigned and restored."""
+        detail: dict[str, Any] = {}
+        ok = self._stop_reason is None
+        for spec in self.specs:
+            runner = self.current.get(spec.name)
+            if runner is None:
+                detail[spec.name] = {"started": False}
+                ok = False
+                continue
+            r_ok, r_detail = runner.ready()
+            detail[spec.name] = {**r_detail, "restarts": self.restarts[spec.name]}
+            ok = ok and r_ok
+        return ok, {"worker_id": self.worker_id, "processors": detail,
+                    **({"stopping": self._stop_reason} if self._stop_reason else {})}
 
     def stop(self, reason: str = "asked to stop") -> None:
         """Tell every processor to finish its batch, commit and stop (a signal's handler)."""

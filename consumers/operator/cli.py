@@ -271,6 +271,19 @@ def _status(args: argparse.Namespace) -> int:
             parts = "; ".join(f"{short(t)} [{_ranges(ps)}]"
                               for t, ps in sorted(m["partitions"].items()))
             print(f"      {short(m['client_id'])} on {m['host']}: {parts or 'no partitions yet'}")
+    print("archivers (lag: records not yet archived, Ticks and markers not counted; rows in a "
+          "batch not yet written count until it is):" if st["archivers"] else
+          "archivers: none has run under this prefix (`trajbus archive run`)")
+    for group, g in st["archivers"].items():
+        members = g["members"]
+        alive = (f"{len(members)} live member{'s' if len(members) != 1 else ''}" if members
+                 else "NO LIVE MEMBER: no archiver runs it")
+        print(f"  group {short(group)} ({g['state'].lower()}): {alive}; lag {g['total_lag']}"
+              + (" (caught up)" if not g["total_lag"] else ""))
+        for m in members:
+            parts = "; ".join(f"{short(t)} [{_ranges(ps)}]"
+                              for t, ps in sorted(m["partitions"].items()))
+            print(f"      {m['client_id']} on {m['host']}: {parts or 'no partitions yet'}")
     print(f"dead letters: {st['dead_letters']} on {short(st['deadletter_topic'])}"
           + (" (`trajbus deadletters` for counts by stage and reason)"
              if st["dead_letters"] else ""))

@@ -1112,6 +1112,17 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
                         "total_lag": sum(lag.values()), "state": info.state,
                         "members": [{"client_id": m.client_id, "host": m.host,
                                      "partitions": m.assignment} for m in info.members]}
+    from trajbus.bus.inventory import consumer_groups
+
+    archivers: dict[str, Any] = {}
+    raw = [t for t in topics.input_topics if t in existing_topics]
+    for group in await consumer_groups(settings, f"{settings.topics.prefix}.archiver."):
+        lag = await group_lag(settings, group, raw) if raw else {}
+        info = await describe_group(settings, group)
+        archivers[group] = {"group": group, "lag": lag, "total_lag": sum(lag.values()),
+                            "state": info.state,
+                            "members": [{"client_id": m.client_id, "host": m.host,
+                                         "partitions": m.assignment} for m in info.members]}
     replay_prefix = f"{topics.prefix}.replay."
     replay = sorted(t for t in existing_topics if t.startswith(replay_prefix))
     counts = await retained_records(settings, [topics.deadletter, *replay])
@@ -1122,6 +1133,7 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
         "cluster": (await cluster_health(settings)).as_dict(),
         "prefix": settings.topics.prefix,
         "processors": groups,
+        "archivers": archivers,
         "dead_letters": counts.get(topics.deadletter, 0),
         "deadletter_topic": topics.deadletter,
         "replay_topics": {t: {"task": t[len(replay_prefix):], "records": counts.get(t, 0)}

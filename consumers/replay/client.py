@@ -10,18 +10,23 @@ Guarantees
   acknowledged that segment *and every earlier one in the partition* (offsets that hold no
   record for this reader -- the worker's transaction markers, aborted records -- count as
   passed, learnt from the offsets skipped between records read in order). Offsets acknowledged
-  beyond that point are stored in the commit's metadata, so a trainer that crashes and
-  resumes sees neither a gap nor a second copy of what it acknowledged (the default,
-  ``commit_every_ms=0``: every :meth:`ReplayClient.ack` returns once its commit is done).
-* **Coalesced commits** (``commit_every_ms=N``): ``ack`` returns at once and a committer
-  task commits what is acknowledged at most once per N ms, one commit in flight; a crash
-  re-delivers at most the acknowledgements made since the last commit. ``await
-  client.commit()`` returns once everything acknowledged so far is committed (before saving
-  a checkpoint, say); ``stop()`` commits too, and so does a rebalance that takes partitions
-  away. (Before 2026-12-01 the ack that found a commit due waited for it.) Measured at
-  2,000 events/s on one host, the default's commit per ack does not slow delivery: paired
-  trainers, one committing per ack, one every 100 ms, had the same p50 and p99
-  (BENCHMARKS.md, "Live latency"); over a network each commit costs the trainer a round trip.
+  beyond that point are stored in the commit's metadata, so nothing acknowledged is lost,
+  in either commit style below.
+* **Coalesced commits** (the default, ``commit_every_ms=100``): ``ack`` returns at once and
+  what is acknowledged is committed at most once per N ms, one commit in flight; a crash
+  re-delivers at most the acknowledgements made since the last commit. The ack that finds a
+  commit due starts it (and gives it a few turns of the event loop, once per commit), so a
+  loop that trains without awaiting still commits every N ms; a committer task commits the
+  last acknowledgements. ``await client.commit()`` returns once everything acknowledged so
+  far is committed (before saving a checkpoint, say); ``stop()`` commits too, and so does a
+  rebalance that takes partitions away.
+* **Per-ack commits** (``commit_every_ms=0``): every :meth:`ReplayClient.ack` returns once
+  its commit is done; a trainer that crashes and resumes sees neither a gap nor a second copy
+  of what it acknowledged. The default until 2026-12-05; bench/bench_trainer_commit.py
+  measured its cost: acknowledging live-sized (one-event) segments one by one, catch-up ran
+  ~17x slower than with a commit every 100 ms (90 % of the time inside ``ack``), ~1.8x
+  acknowledging whole episodes; over a network each commit costs the trainer a round trip.
+  At 2,000 events/s live the latency was the same (BENCHMARKS.md, "Live latency").
 * **Through rebalances** (a broker outage longer than the session timeout makes the consumer
   rejoin; a trainer joins or leaves the group): a commit refused meanwhile is made again once
   the group has settled (for up to :data:`REBALANCE_COMMIT_TIMEOUT_S`, then the call raises;
@@ -73,6 +78,14 @@ Guarantees
   ``["stale_segments_dropped"]`` (``["stale_dropped"]``: their events). ``max_staleness``
   without ``current_policy_version`` is a ``ValueError``.
 
+* **Waits and outages** (``notices.py``, ``ratelimit.py``): a named task still without a
+  replay topic after 30 s, a new group, a wait of more than 3 s to join the group are each
+  logged (WARNING) with what to do; during a broker outage the Kafka client's own messages
+  are held back: one line when it starts failing, a summary every 30 s, one when it works
+  again. :meth:`ReplayClient.stop` / :meth:`SyncReplayClient.close` never raise (but the
+  caller's own cancellation); the last commit is given up after
+  :data:`STOP_COMMIT_TIMEOUT_S`.
+
 Subscription and start position
 -------------------------------
 * **Which tasks**: names, :data:`ALL_TASKS` (every task, present and future, except the
@@ -96,6 +109,7 @@ Use :class:`ReplayClient` from asyncio, :class:`SyncReplayClient` from plain Pyt
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -103,7 +117,7 @@ import re
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -117,6 +131,7 @@ from trajbus.bus.kafka import admin_client, check_broker, connection_options
 from trajbus.bus.positions import StartPosition, parse_start, resolve_offsets
 from trajbus.bus.settings import Settings, get_settings
 from trajbus.bus.topics import Topics, validate_name
+from trajbus.consumers.replay import notices, ratelimit
 from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
 
 log = logging.getLogger(__name__)
@@ -130,6 +145,8 @@ _REMEMBERED = 200_000  # episodes whose delivery state the client keeps (bounded
 # group has settled, before the trainer's call raises it.
 REBALANCE_COMMIT_TIMEOUT_S = 300.0  # aiokafka's default max_poll_interval: a rebalance's bound
 _REBALANCE_RETRY_S = 0.2
+_COMMITTER_TURN_S = 0.001  # coalesced commits: an ack yields to the committer this often
+_COMMIT_TURN_WAIT_S = 0.005  # ... and waits this long, once per commit, for one under way
 # A loop held at ``max_in_flight`` logs a WARNING after this long without an acknowledgement,
 # then again at most this often (see ReplayClient._wait_for_acks).
 _FLOW_WARN_AFTER_S = 10.0
@@ -137,6 +154,11 @@ _FLOW_WARN_EVERY_S = 30.0
 FLOW_CONTROL_TIMEOUT_S = 300.0
 """The default ``flow_control_timeout_s``: aiokafka's ``max_poll_interval_ms``, the longest a
 member may go without fetching before the group takes it out."""
+DEFAULT_COMMIT_EVERY_MS = 100.0
+"""The default ``commit_every_ms``: coalesced commits (see the module docstring), chosen by
+bench/bench_trainer_commit.py."""
+STOP_COMMIT_TIMEOUT_S = 10.0
+"""How long ``stop()`` tries its last commit (the broker away: aiokafka retries for ever)."""
 _METADATA_LIMIT = 3500  # below Kafka's default offset.metadata.max.bytes (4096)
 ALL_TASKS = "*"
 """``ReplayClient(ALL_TASKS, ...)``: every task's replay topic, present and future (the
@@ -325,8 +347,9 @@ class ReplayClient:
         max_staleness: int | None = None,
         current_policy_version: Callable[[], int] | None = None,
         codec: Codec | None = None,
-        commit_every_ms: float = 0,
+        commit_every_ms: float = DEFAULT_COMMIT_EVERY_MS,
         flow_control_timeout_s: float | None = FLOW_CONTROL_TIMEOUT_S,
+        group_instance_id: str | None = None,
     ) -> None:
         """``tasks``: task names (one name as a plain string is fine), or :data:`ALL_TASKS`
         (``"*"``) for every task; ``task_pattern``: also every task whose whole name matches
@@ -337,12 +360,18 @@ class ReplayClient:
         ``start``: ``"resume"`` (default), ``"earliest"``, ``"latest"`` or a time; see
         "Subscription and start position" in the module docstring.
 
-        ``commit_every_ms=0`` commits at every acknowledgement (``ack`` returns once it is
-        committed): after a crash the trainer resumes exactly after its last
-        acknowledgement. A positive value commits in the background, at most once per that
-        interval (``ack`` never waits), at the price of re-delivering up to that interval's
-        acknowledged segments after a crash; :meth:`commit` waits for everything
-        acknowledged.
+        ``commit_every_ms`` (default :data:`DEFAULT_COMMIT_EVERY_MS`, 100) commits what is
+        acknowledged at most once per that interval (``ack`` does not wait), at the price of
+        re-delivering up to that interval's acknowledged segments after a crash;
+        :meth:`commit` waits for everything acknowledged. ``0`` commits at every
+        acknowledgement (``ack`` returns once it is committed): after a crash the trainer
+        resumes exactly after its last acknowledgement.
+
+        ``group_instance_id``: static group membership (Kafka's ``group.instance.id``): a
+        trainer restarted with the same id takes its previous run's place in the group at
+        once, instead of waiting for that run's session to time out (10 s). Unique per
+        trainer process of the group. A member with one sends no LeaveGroup when it stops: its
+        partitions wait for it for the session timeout.
 
         ``max_in_flight`` / ``flow_control_timeout_s``: see "Flow control" in the module
         docstring. A loop held at the limit logs a WARNING naming it while it waits, and
@@ -420,6 +449,11 @@ class ReplayClient:
         self._reads = 0  # iterators made
         self._told_own_beyond_limit = False
         self._latest_at_start: dict[TopicPartition, int] = {}
+        self.group_instance_id = group_instance_id
+        self._watchers: list[asyncio.Task[None]] = []  # notices.py: waits that are not errors
+        self._last_turn = 0.0  # when an ack last gave the background committer a turn
+        self._commit_task: asyncio.Future[None] | None = None  # one an ack started
+        self._waited_on: asyncio.Future[None] | None = None  # the last one an ack waited for
 
     async def start(self) -> None:
         await check_broker(self.settings.kafka)
@@ -435,6 +469,7 @@ class ReplayClient:
             metadata_max_age_ms=5000,  # a task's replay topic may be created after we subscribe
             max_partition_fetch_bytes=self.settings.kafka.max_request_size,
             fetch_max_wait_ms=self.settings.kafka.fetch_max_wait_ms,  # idle topics: see there
+            group_instance_id=self.group_instance_id,  # static membership (KIP-345)
         )
         try:
             await self._consumer.start()
@@ -446,6 +481,71 @@ class ReplayClient:
             await close_client(self._consumer, "trainer consumer")
             self._consumer = None
             raise
+        self._start_watchers()
+
+    def _start_watchers(self) -> None:
+        """The notices of waits that are not errors (see ``notices.py``): a task without a
+        replay topic, a new group, a wait to join the group."""
+        consumer = self._consumer
+
+        def joined() -> bool:  # a generation: the JoinGroup was answered
+            coordinator = getattr(consumer, "_coordinator", None)
+            return consumer is None or getattr(coordinator, "generation", 1) > 0
+
+        def subscribed() -> bool:  # a topic matches (else no group to join: notices say so)
+            return consumer is None or bool(consumer.subscription())
+
+        async def members() -> list[dict[str, str]]:
+            admin = admin_client(self.settings.kafka, "admin")
+            await admin.start()
+            try:
+                return notices.members_of(
+                    (await admin.describe_consumer_groups([self.group_id]))[0])
+            finally:
+                await close_client(admin, "admin client")
+
+        async def new_group() -> None:
+            if notices.new_group_message(self.group_id, self.start_position,
+                                         self._committed_at_start, ()) is None:
+                return
+            groups: list[str] = []
+            admin = admin_client(self.settings.kafka, "admin")
+            try:
+                await admin.start()
+                groups = [str(g[0]) for g in await admin.list_consumer_groups()]
+            except Exception as exc:
+                log.debug("replay client %s: no group list (%s)", self.group_id, exc)
+            finally:
+                await close_client(admin, "admin client")
+            message = notices.new_group_message(self.group_id, self.start_position,
+                                                self._committed_at_start, groups)
+            if message:
+                log.warning("%s", message)
+
+        async def outage_log_ticks() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                ratelimit.tick()
+
+        ratelimit.attach(self)  # the Kafka client's log during an outage (ratelimit.py)
+        self._watchers = [asyncio.create_task(c) for c in (
+            outage_log_ticks(),
+            new_group(),
+            notices.watch_subscription(
+                self.group_id, self.tasks, self.pattern,
+                lambda: inventory.topic_names(self.settings),
+                lambda topic: inventory.replay_task(self.settings, topic)),
+            notices.watch_join(self.group_id, joined, subscribed, members,
+                               self.group_instance_id is not None),
+        )]
+
+    async def _stop_watchers(self) -> None:
+        watchers, self._watchers = self._watchers, []
+        if watchers:
+            ratelimit.detach(self)
+        for task in watchers:
+            task.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
 
     async def missing_tasks(self) -> list[str]:
         """The named tasks that have no replay topic yet (the client waits for them)."""
@@ -457,6 +557,11 @@ class ReplayClient:
         return await inventory.list_tasks(self.settings, include_debug)
 
     async def stop(self) -> None:
+        """Commit what is acknowledged (one attempt, at most :data:`STOP_COMMIT_TIMEOUT_S`)
+        and close the consumer (bounded too). Never raises -- what went wrong is logged --
+        except the caller's own cancellation: not a ``CancelledError`` from inside aiokafka
+        after the broker went away (aiokafka#647), nor a commit the broker cannot take."""
+        await self._stop_watchers()
         if self._consumer is not None:
             committer, self._committer = self._committer, None
             if committer is not None:
@@ -473,11 +578,27 @@ class ReplayClient:
     async def _final_commit(self) -> None:
         """One commit at stop: a stopping member does not wait for a rebalance to end."""
         try:
-            await self._commit_acknowledged(retry_rebalance=False)
+            await asyncio.wait_for(self._commit_acknowledged(retry_rebalance=False),
+                                   STOP_COMMIT_TIMEOUT_S)
         except (CommitFailedError, IllegalStateError, _GroupRebalancing) as exc:
             log.warning("replay client %s: the last acknowledgements could not be committed "
                         "at stop (the group is rebalancing: %s); they are delivered again to "
                         "the partitions' next reader", self.group_id, exc)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the caller's own cancellation
+            self._stop_commit_failed("cancelled inside the Kafka client")
+        except TimeoutError:
+            self._stop_commit_failed(f"no answer within {STOP_COMMIT_TIMEOUT_S:.0f} s: is the "
+                                     "broker away?")
+        except Exception as exc:
+            self._stop_commit_failed(f"{type(exc).__name__}: {exc}")
+
+    def _stop_commit_failed(self, why: str) -> None:
+        log.warning("replay client %s: the last acknowledgements could not be committed at "
+                    "stop (%s); they are delivered again to the partitions' next reader",
+                    self.group_id, why)
 
     async def commit(self) -> None:
         """Commit every acknowledgement made so far; returns once the broker has it (a
@@ -556,6 +677,7 @@ class ReplayClient:
         segments = self._read_segments(read, idle_timeout, drop_stale=True)
         try:
             async for seg in segments:
+                _count_delivered(self.stats, [seg])
                 read.at_trainer = True
                 yield seg
                 read.at_trainer = False
@@ -634,8 +756,6 @@ class ReplayClient:
                     handed[msg.offset] = read.serial
                     self._in_flight += 1
                     read.own += 1
-                    self.stats["segments"] += 1
-                    self.stats["events"] += len(seg.events)
                     unhandled[tp] = msg.offset + 1  # handed out, even if the loop ends here
                     yield seg
                     if read.released:  # a newer iterator has taken over: it reads the rest
@@ -692,6 +812,7 @@ class ReplayClient:
                         self._acknowledge(ep, by_trainer=False)
                         await self._maybe_commit()
                         continue
+                    _count_delivered(self.stats, ep.segments)
                     read.at_trainer = True
                     yield ep
                     read.at_trainer = False
@@ -1054,6 +1175,37 @@ class ReplayClient:
         self._commit_wanted.set()
         if self._committer is None:
             self._committer = asyncio.create_task(self._commit_in_background())
+        await self._commit_in_turn()
+
+    async def _commit_in_turn(self) -> None:
+        """Coalesced commits, from the trainer's ack: the ack that finds a commit due starts
+        it, and drives it for up to ``_COMMIT_TURN_WAIT_S`` (the few turns of the event loop
+        its I/O takes -- not a round trip per ack: once per commit); while it is under way,
+        an ack gives it a turn at most every ``_COMMITTER_TURN_S``. The background committer
+        alone got no turn while a loop handed out records already fetched and trained without
+        awaiting: no commit was made until the fetch ran dry (a whole backlog uncommitted;
+        bench_trainer_commit). It still commits what is acknowledged last."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        task = self._commit_task
+        if ((task is None or task.done()) and not self._commit_lock.locked()
+                and now >= self._last_commit + self.commit_every_s):
+            task = self._commit_task = asyncio.ensure_future(self._commit_for_ack())
+        if task is None or task.done():
+            return
+        if task is not self._waited_on:
+            self._waited_on = task
+            self._last_turn = now
+            await asyncio.wait({task}, timeout=_COMMIT_TURN_WAIT_S)
+        elif now - self._last_turn >= _COMMITTER_TURN_S:
+            self._last_turn = now
+            await asyncio.sleep(0)
+
+    async def _commit_for_ack(self) -> None:
+        try:
+            await self.commit()
+        except Exception as exc:  # handed to the trainer's next call, as the committer's
+            self._commit_error = exc
 
     async def _commit_in_background(self) -> None:
         """Commit what is acknowledged whenever there is something new, one commit at a time
@@ -1066,6 +1218,11 @@ class ReplayClient:
                 wait = self._last_commit + self.commit_every_s - loop.time()
                 if wait > 0:
                     await asyncio.sleep(wait)
+                started = self._commit_task
+                if started is not None and not started.done():  # an ack's (_commit_in_turn)
+                    await asyncio.wait({started})
+                    self._commit_wanted.set()  # then what was acknowledged meanwhile
+                    continue
                 await self.commit()
         except Exception as exc:  # handed to the trainer's next call
             self._commit_error = exc
@@ -1094,6 +1251,14 @@ class ReplayClient:
                    for tp, p in self._progress.items()}
         if offsets:
             await self._consumer.commit(offsets)
+
+
+def _count_delivered(stats: dict[str, int], segments: list[Segment]) -> None:
+    """``stats["segments"]`` / ``["events"]``: what the trainer received, each once -- counted
+    when handed to it, not when read (``episodes()`` reads the segments of an episode it had
+    not completed again after a loop left early, and drops filtered episodes)."""
+    stats["segments"] += len(segments)
+    stats["events"] += sum(len(seg.events) for seg in segments)
 
 
 class _GroupRebalancing(Exception):
@@ -1156,16 +1321,47 @@ class _StartAt(ConsumerRebalanceListener):
 
 
 class SyncReplayClient:
-    """Blocking wrapper for trainers that are not asyncio programs."""
+    """Blocking wrapper for trainers that are not asyncio programs: the same arguments and
+    methods as :class:`ReplayClient`, run on an event loop of its own (a daemon thread)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        tasks: Iterable[str] | str,
+        group_id: str,
+        settings: Settings | None = None,
+        *,
+        task_pattern: str | None = None,
+        start: StartPosition = "resume",
+        max_in_flight: int = 256,
+        drop_truncated: bool = False,
+        drop_gappy: bool = False,
+        max_staleness: int | None = None,
+        current_policy_version: Callable[[], int] | None = None,
+        codec: Codec | None = None,
+        commit_every_ms: float = DEFAULT_COMMIT_EVERY_MS,
+        flow_control_timeout_s: float | None = FLOW_CONTROL_TIMEOUT_S,
+        group_instance_id: str | None = None,
+    ) -> None:
+        """See :class:`ReplayClient` (the same parameters, checked by a test)."""
+        kwargs: dict[str, Any] = dict(
+            task_pattern=task_pattern, start=start, max_in_flight=max_in_flight,
+            drop_truncated=drop_truncated, drop_gappy=drop_gappy, max_staleness=max_staleness,
+            current_policy_version=current_policy_version, codec=codec,
+            commit_every_ms=commit_every_ms, flow_control_timeout_s=flow_control_timeout_s,
+            group_instance_id=group_instance_id)
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name=f"replay-client-{group_id}")
         self._thread.start()
-        self._client: ReplayClient = self._run(_build(args, kwargs))
-        self._run(self._client.start())
+        try:
+            self._client: ReplayClient = self._run(
+                _build((tasks, group_id, settings), kwargs))
+            self._run(self._client.start())
+        except BaseException:  # a refused argument, no broker: no thread left behind
+            self._stop_loop()
+            raise
 
-    def _run(self, coro: Any) -> Any:
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def segments(self, idle_timeout: float | None = None) -> Iterator[Segment]:
@@ -1214,22 +1410,41 @@ class SyncReplayClient:
                         "one reads again what it held", type(exc).__name__, exc)
 
     def ack(self, item: Segment | Episode) -> None:
+        """See :meth:`ReplayClient.ack`."""
         self._run(self._client.ack(item))
 
+    def commit(self) -> None:
+        """Commit every acknowledgement made so far; returns once the broker has it (before a
+        checkpoint, say). See :meth:`ReplayClient.commit`."""
+        self._run(self._client.commit())
+
     def list_tasks(self, include_debug: bool = False) -> list[str]:
-        result: list[str] = self._run(self._client.list_tasks(include_debug))
-        return result
+        """See :meth:`ReplayClient.list_tasks`."""
+        return self._run(self._client.list_tasks(include_debug))
 
     def missing_tasks(self) -> list[str]:
-        result: list[str] = self._run(self._client.missing_tasks())
-        return result
+        """See :meth:`ReplayClient.missing_tasks`."""
+        return self._run(self._client.missing_tasks())
 
     @property
     def stats(self) -> dict[str, int]:
+        """See ``ReplayClient.stats``."""
         return self._client.stats
 
     def close(self) -> None:
-        self._run(self._client.stop())
+        """Stop the client (its last commit, bounded) and its thread. Never raises but the
+        caller's own interruption (Ctrl-C); safe to call twice."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self._run(self._client.stop())
+        except (Exception, concurrent.futures.CancelledError) as exc:  # stop() logs its own
+            log.warning("replay client %s: stop failed (%s: %s)", self._client.group_id,
+                        type(exc).__name__, exc)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 

@@ -1,0 +1,157 @@
+"""A trainer through a broker outage (issue 41, item 5), on a private broker it kills.
+
+* ``stop()`` / ``close()`` while the broker is away return within seconds and raise nothing:
+  the last commit of acknowledgements not committed yet (coalesced commits) was retried by
+  aiokafka for ever -- the trainer's shutdown hung -- and aiokafka's stop could raise a bare
+  ``CancelledError`` (aiokafka#647; ``close_client`` finishes that close).
+* An idle trainer's log through an outage is one line when the Kafka client starts failing,
+  a summary every ``SUMMARY_EVERY_S`` and one line when it works again (it wrote 1,001
+  aiokafka lines in a 30 s outage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+
+import pytest
+from faults_support import own_broker
+from replay_support import publish_replay
+from support import make_episodes, settings_for
+
+from trajbus.consumers.replay import ratelimit
+from trajbus.consumers.replay.client import ReplayClient, SyncReplayClient
+from trajbus.infra.broker import LocalBroker
+
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def killable_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBroker]:
+    with own_broker(tmp_path_factory.mktemp("trainer-outage") / "kafka") as broker:
+        yield broker
+
+
+def _up(broker: LocalBroker) -> LocalBroker:
+    broker.start(timeout=120)  # a test that failed mid-outage may have left it down
+    return broker
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def lines(self, since: float = 0.0) -> list[str]:
+        return [f"{r.name} {r.levelname}: {r.getMessage()}" for r in self.records
+                if r.created >= since and r.name.split(".")[0] in ("aiokafka", "kafka",
+                                                                   "trajbus")]
+
+
+async def test_stop_and_close_while_the_broker_is_away_return_and_raise_nothing(
+        killable_broker: LocalBroker, unique_name: str) -> None:
+    broker = _up(killable_broker)
+    settings = settings_for(broker.bootstrap, unique_name)
+    await publish_replay(settings, "web-shop", make_episodes(6, seed=61, task="web-shop"))
+    # acknowledged, not committed yet (a commit every 10 min): stop() has a commit to make
+    client = ReplayClient("web-shop", f"{unique_name}-async", settings,
+                          commit_every_ms=600_000)
+    await client.start()
+    sync = await asyncio.to_thread(SyncReplayClient, "web-shop", f"{unique_name}-sync",
+                                   settings, commit_every_ms=600_000)
+    try:
+        async for ep in client.episodes(idle_timeout=3):
+            await client.ack(ep)
+
+        def read_sync() -> None:
+            for ep in sync.episodes(idle_timeout=3):
+                sync.ack(ep)
+
+        await asyncio.to_thread(read_sync)
+        broker.kill()
+        await asyncio.sleep(2)
+        started = time.monotonic()
+        await asyncio.wait_for(client.stop(), 60)  # raises nothing
+        took = time.monotonic() - started
+        started = time.monotonic()
+        await asyncio.wait_for(asyncio.to_thread(sync.close), 60)
+        took_sync = time.monotonic() - started
+    finally:
+        broker.start(timeout=120)
+    assert took < 30 and took_sync < 30, (took, took_sync)
+
+
+async def test_an_outage_logs_a_bounded_number_of_lines(
+        killable_broker: LocalBroker, unique_name: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ratelimit, "SUMMARY_EVERY_S", 5.0)
+    broker = _up(killable_broker)
+    settings = settings_for(broker.bootstrap, unique_name)
+    await publish_replay(settings, "web-shop", make_episodes(2, seed=62, task="web-shop"))
+    collect = _Collect()
+    root = logging.getLogger()
+    root.addHandler(collect)
+    old_level = root.level
+    root.setLevel(logging.INFO)  # what a trainer that logs at INFO sees
+    outage_s = 15.0
+    try:
+        async with ReplayClient("web-shop", f"{unique_name}-idle", settings) as client:
+            async for ep in client.episodes(idle_timeout=3):
+                await client.ack(ep)
+            killed_at = time.time()
+            broker.kill()
+
+            async def idle(seconds: float) -> None:  # the trainer waits for data meanwhile
+                async for ep in client.episodes(idle_timeout=seconds):
+                    await client.ack(ep)
+
+            await idle(outage_s)
+            await asyncio.to_thread(broker.start, 120)
+            deadline = time.monotonic() + 60
+            while not any("working again" in line for line in collect.lines(killed_at)):
+                assert time.monotonic() < deadline, collect.lines(killed_at)
+                await idle(1.0)
+            lines = collect.lines(killed_at)
+    finally:
+        root.removeHandler(collect)
+        root.setLevel(old_level)
+        broker.start(timeout=120)
+    print("\n".join(lines))
+    failing = [line for line in lines if "Kafka client failing" in line]
+    assert len(failing) == 1, lines
+    assert sum("working again" in line for line in lines) == 1, lines
+    # one line per state change, a summary every 5 s of the outage (and of the restart),
+    # a few lines of the group's own (its rejoin after the restart)
+    assert len(lines) <= 2 + 60 / 5 + 6, lines
+    aiokafka_lines = [line for line in lines if line.startswith(("aiokafka", "kafka"))]
+    assert len(aiokafka_lines) <= 6, aiokafka_lines
+
+
+def test_a_gate_left_by_clients_dropped_unclosed_does_not_leak_into_the_next() -> None:
+    """A client dropped without close() (its outage log still failing) must not make the next
+    client's outage start as "still failing after 244 s" (CI, 2026-12-05)."""
+
+    class Client:
+        pass
+
+    leaked = Client()
+    ratelimit.attach(leaked)
+    gate = ratelimit._gate
+    assert gate is not None
+    gate.core.message(0.0, "connection refused", "connection refused", True)
+    del leaked
+    import gc
+    gc.collect()
+    fresh = Client()
+    ratelimit.attach(fresh)
+    try:
+        assert ratelimit._gate is not None and ratelimit._gate is not gate
+        assert not ratelimit._gate.core.failing
+    finally:
+        ratelimit.detach(fresh)
+    assert ratelimit._gate is None
