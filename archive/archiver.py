@@ -51,8 +51,11 @@ log = logging.getLogger(__name__)
 IDLE_COMMIT_INTERVAL_S = 1.0
 """How often at most the archiver commits past records that need no writing (ticks...)."""
 
-DeadLetterFn = Callable[[str, int, int, bytes | None, bytes, str, str], Awaitable[None] | None]
-"""``dead_letter(topic, partition, offset, key, value, reason_code, reason)``"""
+DeadLetterFn = Callable[[str, int, int, bytes | None, bytes, str, str],
+                        Awaitable[bool | None] | bool | None]
+"""``dead_letter(topic, partition, offset, key, value, reason_code, reason)``; returns False
+when the dead letter was already on the topic (written by another archive destination, or
+before a restart) and was not written again."""
 
 
 class SourceRecord(Protocol):
@@ -87,6 +90,7 @@ class ArchiverStats:
     records: int = 0
     rows: int = 0
     dead_letters: int = 0
+    dead_letters_known: int = 0  # refused, but already on the dead-letter topic: not re-sent
     duplicates: int = 0  # re-sent copies not archived again
     conflicts: int = 0  # conflicting copies written to conflicts/, not events/
     batches: int = 0
@@ -321,23 +325,58 @@ def _index_refs(result: BatchResult) -> list[tuple[str, str, str, str | None,
 
 
 def kafka_dead_letter(settings: Settings, stage: str = "archiver") -> DeadLetterFn:
-    """A dead-letter callback publishing to ``Topics.deadletter`` with the shared producer."""
+    """A dead-letter callback publishing to ``Topics.deadletter`` with the shared producer.
+
+    A dead letter's id is derived from the stage, the source position, the reason and the
+    bytes, not from the destination: every archive destination (each its own consumer group,
+    reading the raw topics from their beginning) refuses the same records with the same ids.
+    On its first refusal the callback reads the ids already on the dead-letter topic; one
+    already there is not written again (returns False; ``ArchiverStats.dead_letters_known``),
+    so a new destination does not dead-letter old garbage a second time."""
     from trajbus.bus.deadletter import count, dead_letter_event
     from trajbus.bus.producer import get_producer
 
     topic = Topics(settings).deadletter
+    known: set[str] | None = None
 
     async def send(src_topic: str, partition: int, offset: int, key: bytes | None,
-                   value: bytes, reason_code: str, reason: str) -> None:
-        producer = await get_producer(settings.kafka)
+                   value: bytes, reason_code: str, reason: str) -> bool:
+        nonlocal known
         ev = dead_letter_event(stage=stage, reason_code=reason_code, reason=reason,
                                source_topic=src_topic, source_partition=partition,
                                source_offset=offset, key=key, value=value,
                                producer_id=f"{settings.kafka.client_id}-{stage}")
+        if known is None:
+            known = await dead_letter_ids(settings, stage)
+        if ev.header.event_id in known:
+            log.info("%s:%d@%d: %s, already dead-lettered as %s", src_topic, partition, offset,
+                     reason_code, ev.header.event_id[:12])
+            return False
+        producer = await get_producer(settings.kafka)
         await (await producer.send(topic, ev.encode(), key=key))
+        known.add(ev.header.event_id)
         count(stage, reason_code)
+        return True
 
     return send
+
+
+async def dead_letter_ids(settings: Settings, stage: str) -> set[str]:
+    """The ids of the dead letters of ``stage`` retained on the dead-letter topic."""
+    from trajbus.consumers.operator.tools import read_records
+    from trajbus.schemas.codec import DecodeError, default_codec
+
+    codec = default_codec()
+    out: set[str] = set()
+    for recs in (await read_records(settings, [Topics(settings).deadletter])).values():
+        for rec in recs:
+            try:
+                d = codec.decode(rec.value)
+            except DecodeError:
+                continue
+            if d.kind == "DeadLetter" and d.record["stage"] == stage:
+                out.add(str(d.header["event_id"]))
+    return out
 
 
 async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = None, *,
@@ -449,8 +488,11 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
         for r in step.rejected:
             res = dead(r.topic, r.partition, r.offset, r.key, r.value, r.reason_code, r.reason)
             if inspect.isawaitable(res):
-                await res
-            stats.dead_letters += 1
+                res = await res
+            if res is False:
+                stats.dead_letters_known += 1
+            else:
+                stats.dead_letters += 1
         if not step.batches:
             return
         offsets: dict[Any, int] = {}

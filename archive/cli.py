@@ -190,7 +190,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             print(stats.note, file=sys.stderr)
         print(json.dumps({"group": stats.group_id, "records": stats.records, "rows": stats.rows,
                           "duplicates": stats.duplicates, "conflicts": stats.conflicts,
-                          "dead_letters": stats.dead_letters, "batches": stats.batches,
+                          "dead_letters": stats.dead_letters,
+                          "dead_letters_already_on_topic": stats.dead_letters_known,
+                          "batches": stats.batches,
                           "objects": stats.objects, "committed": stats.committed}))
         return 0
 

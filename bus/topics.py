@@ -63,6 +63,7 @@ class Topics:
         self.decisions = f"{p}.scheduler.decisions"
         self.alerts = f"{p}.watchdog.alerts"
         self.deadletter = f"{p}.deadletter"
+        self.deadletter_status = f"{p}.deadletter-status"
         self.late = f"{p}.late"
         self.schemas = f"{p}.schemas"
         # The processors' timeouts count from a record's log time (its Kafka timestamp): on
@@ -83,6 +84,9 @@ class Topics:
             TopicSpec(self.deadletter, n, "input a processor could not accept, with reason "
                       "and original bytes", "source key", retention_ms=30 * DAY_MS,
                       max_message_bytes=derived),
+            TopicSpec(self.deadletter_status, 1, "what was done about a dead letter: "
+                      "re-driven (where to) or resolved (with a note); compacted, latest wins",
+                      "dead letter id", retention_ms=-1, compacted=True),
             TopicSpec(self.late, n, "events that arrived after their gap was closed", "episode",
                       max_message_bytes=derived),
             TopicSpec(self.schemas, 1, "writer schemas by fingerprint (compacted)",

@@ -267,14 +267,18 @@ async def check_redrive(settings: Settings, planted: list[Planted], result: RunR
     except Exception as exc:  # refused as a whole
         result.failures.append(f"redrive refused: {exc}")
         return
-    sent = [r for r in first if r.offset >= 0]
+    sent = [r for r in first if r.action == "sent"]
     result.redriven = len(sent)
     if len(sent) != want:
         result.failures.append(f"redrive sent {len(sent)} records, want {want} (every planted "
                                "record is a permanent failure)")
+    wrong = [r for r in first if r.action not in ("sent", "refused", "same_source", "already")]
+    if wrong:
+        result.failures.append(f"redrive answered {[r.action for r in wrong]}")
     again = await dl.redrive(settings, await dl.read_dead_letters(settings))
-    if any(r.offset >= 0 for r in again):
-        result.failures.append(f"a second redrive sent {len(again)} records again")
+    resent = [r for r in again if r.action == "sent"]
+    if resent:
+        result.failures.append(f"a second redrive sent {len(resent)} records again")
 
 
 async def main_async(args: argparse.Namespace) -> int:

@@ -78,3 +78,20 @@ def test_two_versions_too_big_together_are_cut_to_fit_and_the_reason_says_so() -
     assert rec["original_value"] == rejected  # the rejected one is only in this record: whole
     assert kept.startswith(rec["conflicting_value"]) and len(rec["conflicting_value"]) > 0
     assert "kept version of" in rec["reason"] and "replayed whole" in rec["reason"]
+
+
+def test_a_conflict_far_behind_the_dedupe_window_is_a_counted_dead_letter() -> None:
+    """Issue 37: a conflicting copy more than 64 seqs back was dropped with no dead letter and
+    no metric. Now it is a dead letter (the kept version is in the replay segments) and the
+    dead-letter counter counts it; an exact copy that far back is still just a duplicate."""
+    from trajbus.bus import deadletter
+
+    before = deadletter.counts[("reorder", "conflicting_duplicate")]
+    values = [_start()] + [_call(s, f"call {s}") for s in range(1, 101)]
+    outs = _run(_settings(), [*values, _call(1, "call 1"), _call(1, "another call 1")])
+    [dl] = _letters(outs)
+    rec = codec.decode(dl.value).record
+    assert rec["reason_code"] == "conflicting_duplicate" and "100 seqs back" in rec["reason"]
+    assert rec["original_value"] == _call(1, "another call 1")
+    assert rec["source_offset"] == 102
+    assert deadletter.counts[("reorder", "conflicting_duplicate")] == before + 1

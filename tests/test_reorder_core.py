@@ -195,11 +195,42 @@ def test_conflicting_duplicate_of_an_emitted_event_is_dead_lettered() -> None:
     assert dl.raw == b"other" and dl.seq == 1 and "already emitted" in dl.reason
 
 
-def test_duplicates_older_than_the_dedupe_window_are_dropped_unverified() -> None:
+def test_duplicates_older_than_the_dedupe_window_are_still_compared() -> None:
+    """Issue 37: a conflicting copy far behind the window was dropped with no dead letter.
+    Beyond the window the episode's 16-bit digest history decides: an exact copy is a
+    duplicate, a conflicting one a dead letter; both survive a restore from the changelog."""
+    c = core(dedupe_window=4)
+    run(c, [ev(0), ev(1)] + [ev(s) for s in range(3, 10)] + [ev(2)])  # buffered path too
+    assert c.handle(ev(1)) == [] and c.handle(ev(2)) == []  # exact copies, 8 and 7 back
+    (dl,) = c.handle(ev(1, raw=b"whatever"))
+    assert isinstance(dl, DeadLetterOut) and dl.reason_code == "conflicting_duplicate"
+    assert "beyond the dedupe window" in dl.reason and dl.raw == b"whatever" and dl.seq == 1
+    k = c.counters()
+    assert (k["duplicates"], k["conflicts"], k["duplicates_unverified"]) == (2, 1, 0)
+    fresh = core(dedupe_window=4)
+    for key, blob in c.take_dirty().items():
+        if blob is not None:
+            fresh.restore(key, blob)
+    assert fresh.handle(ev(2)) == []
+    (dl,) = fresh.handle(ev(2, raw=b"other"))
+    assert isinstance(dl, DeadLetterOut) and dl.reason_code == "conflicting_duplicate"
+
+
+def test_a_duplicate_older_than_the_history_is_an_unverified_dead_letter() -> None:
+    """State from a changelog written before the history existed: an old copy cannot be
+    compared, and is a dead letter saying so (not dropped silently)."""
     c = core(dedupe_window=4)
     run(c, [ev(s) for s in range(10)])
-    assert c.handle(ev(1, raw=b"whatever")) == []
-    assert c.counters()["duplicates_unverified"] == 1
+    (blob,) = (v for k, v in c.take_dirty().items() if k == "sb1/e1")
+    assert blob is not None
+    old = blob[: -(12 + 2 * 10)]  # the blob as written before the history
+    fresh = core(dedupe_window=4)
+    fresh.restore("sb1/e1", old)
+    (dl,) = fresh.handle(ev(1))
+    assert isinstance(dl, DeadLetterOut) and dl.reason_code == "unverified_duplicate"
+    assert fresh.counters()["duplicates_unverified"] == 1
+    assert segs(fresh.handle(ev(10)))[0].first_seq == 10  # the history starts again
+    assert fresh.handle(ev(9)) == []  # within the window
 
 
 # -- gaps --------------------------------------------------------------------------------

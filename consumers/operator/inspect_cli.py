@@ -126,7 +126,9 @@ def _register_deadletters(sub: argparse._SubParsersAction) -> None:
         "  trajbus deadletters                                  # counts by stage and reason\n"
         "  trajbus deadletters list --reason conflicting_duplicate\n"
         "  trajbus deadletters show 3f2a9c1e                    # one, decoded\n"
-        "  trajbus deadletters redrive --reason too_many_open_episodes --dry-run")
+        "  trajbus deadletters redrive --reason too_many_open_episodes --dry-run\n"
+        "  trajbus deadletters resolve 3f2a9c1e --note 'sandbox fixed, events not needed'\n"
+        "  trajbus deadletters list --status open")
     d.add_argument("--json", action="store_true", help="the counts as one JSON object")
     d.set_defaults(func=_dl_counts, help_parser=d)
     dsub = d.add_subparsers(dest="deadletters_command", metavar="ACTION")
@@ -143,6 +145,10 @@ def _register_deadletters(sub: argparse._SubParsersAction) -> None:
                        help="only this sandbox (repeatable)")
         p.add_argument("--since", default=None, metavar="TIME",
                        help=f"only dead letters since this time: {TIME_HELP}")
+        p.add_argument("--status", action="append", default=[],
+                       choices=["open", "redriven", "resolved"],
+                       help="only dead letters with this status (repeatable): open (nothing "
+                       "done yet), redriven, resolved")
 
     lst = dsub.add_parser("list", help="one line per dead letter (oldest first)",
                           description="One line per dead letter: short id, time, stage/reason, "
@@ -167,18 +173,35 @@ def _register_deadletters(sub: argparse._SubParsersAction) -> None:
     rd = dsub.add_parser(
         "redrive", help="send dead letters back to their source topic after a fix",
         formatter_class=_RAW,
-        description="Produce each selected dead letter's original key and bytes to its source "
-        "topic and partition again, so the processors take it once more (after the cause was "
-        "fixed). Idempotent: the processors drop events they already applied, so re-driving "
-        "twice changes nothing. Refuses dead letters whose bytes were truncated (the reason "
-        "says where the whole record is). Select by id, by --stage/--reason/--task/--sandbox/"
-        "--since, or --all.")
+        description="Produce each selected source record's original key and bytes to its "
+        "source topic and partition again, so the processors take it once more (after the "
+        "cause was fixed). Each source record is sent once, however many stages dead-lettered "
+        "it. Every dead letter sent gets the status 'redriven' (in the same Kafka transaction), "
+        "so a second redrive skips it: re-driving twice sends nothing twice. Refuses permanent "
+        "failures (bytes that are not a trajbus record or do not decode, malformed events, the "
+        "losing version of a conflict, ...: sending the same bytes again would fail the same "
+        "way), truncated bytes (the reason says where the whole record is), and skips resolved "
+        "ones. Select by id, by --stage/--reason/--task/--sandbox/--since/--status, or --all.")
     rd.add_argument("ids", nargs="*", metavar="ID", help="dead letter ids (or prefixes)")
     selection(rd)
     rd.add_argument("--all", action="store_true", help="every dead letter matching the filters "
                     "(required when no id and no filter is given)")
     rd.add_argument("--dry-run", action="store_true", help="list what would be re-driven")
     rd.set_defaults(func=_dl_redrive)
+
+    rs = dsub.add_parser(
+        "resolve", help="mark dead letters resolved, with a note (nothing is sent)",
+        description="Record that the selected dead letters need nothing more (e.g. the data "
+        "is not needed, or was recovered another way), with a note, on <prefix>.deadletter-"
+        "status. `list --status open` then no longer shows them and redrive skips them. "
+        "--reopen marks them open again.")
+    rs.add_argument("ids", nargs="*", metavar="ID", help="dead letter ids (or prefixes)")
+    selection(rs)
+    rs.add_argument("--all", action="store_true", help="every dead letter matching the filters "
+                    "(required when no id and no filter is given)")
+    rs.add_argument("--note", required=True, help="why: who fixed what, where the data went")
+    rs.add_argument("--reopen", action="store_true", help="mark them open again instead")
+    rs.set_defaults(func=_dl_resolve)
 
 
 def _dl_read(args: argparse.Namespace) -> list[Any]:
@@ -189,7 +212,7 @@ def _dl_read(args: argparse.Namespace) -> list[Any]:
         return dls
     since = parse_time(args.since) if args.since else None
     return select(dls, stages=args.stage, reasons=args.reason, tasks=args.task,
-                  sandboxes=args.sandbox, since_ms=since)
+                  sandboxes=args.sandbox, since_ms=since, statuses=args.status)
 
 
 def _dl_counts(args: argparse.Namespace) -> int:
@@ -199,17 +222,22 @@ def _dl_counts(args: argparse.Namespace) -> int:
     dls = _dl_read(args)
     rows = counts(dls)
     topic = Topics(get_settings()).deadletter
+    by_status = {st: sum(1 for d in dls if d.state == st) for st in ("open", "redriven",
+                                                                    "resolved")}
     if args.json:
-        print(json.dumps({"topic": topic, "total": len(dls), "by_stage_and_reason": [
+        print(json.dumps({"topic": topic, "total": len(dls), "by_status": by_status,
+                          "by_stage_and_reason": [
             {"stage": c.stage, "reason_code": c.reason_code, "count": c.count,
              "first_ms": c.first_ms, "last_ms": c.last_ms, "latest_id": c.example}
             for c in rows]}, indent=2))
         return 0
-    print(f"{len(dls)} dead letter(s) on {topic}")
+    print(f"{len(dls)} dead letter(s) on {topic}: "
+          + ", ".join(f"{n} {st}" for st, n in by_status.items()))
     for line in stage_reason_table(rows):
         print(line)
     if dls:
-        print("more: `trajbus deadletters list [--reason CODE]`, `trajbus deadletters show ID`")
+        print("more: `trajbus deadletters list [--reason CODE] [--status open]`, "
+              "`trajbus deadletters show ID`")
     return 0
 
 
@@ -225,32 +253,67 @@ def _dl_list(args: argparse.Namespace) -> int:
 
 
 def _dl_show(args: argparse.Namespace) -> int:
-    from trajbus.consumers.operator.deadletters import find
+    from trajbus.consumers.operator.deadletters import find, kept_version
 
     d = find(_dl_read(args), args.id)
-    print(json.dumps(d.to_dict(args.expand), indent=2) if args.json else d.render())
+    kept = None
+    if d.reason_code == "conflicting_duplicate" and d.conflicting_value is None:
+        kept = asyncio.run(kept_version(get_settings(), d))  # emitted: from the replay topic
+    print(json.dumps(d.to_dict(args.expand, kept), indent=2) if args.json else d.render(kept))
     return 0
 
 
 def _dl_redrive(args: argparse.Namespace) -> int:
-    from trajbus.bus.errors import UserError
-    from trajbus.consumers.operator.deadletters import find, redrive
+    from trajbus.consumers.operator.deadletters import redrive
 
-    filtered = bool(args.stage or args.reason or args.task or args.sandbox or args.since)
+    dls = _dl_selected(args, "re-drive")
+    done = asyncio.run(redrive(get_settings(), dls, dry_run=args.dry_run))
+    n: dict[str, int] = {}
+    for r in done:
+        n[r.action] = n.get(r.action, 0) + 1
+        what = f"{r.dead_letter.short_id} ({r.dead_letter.stage}/{r.dead_letter.reason_code})"
+        if r.action == "sent":
+            where = f"{r.topic} p{r.partition}" + (f"@{r.offset}" if r.offset >= 0 else "")
+            print(f"{'would re-drive' if args.dry_run else 're-drove'} {what} -> {where}")
+        elif r.action == "same_source":
+            print(f"  and {what}: the same source record (sent once, with {r.with_id[:12]})")
+        elif r.action == "already":
+            print(f"skipped {what}: {r.why}")
+        else:
+            print(f"refused {what}: {r.why}")
+    sent = n.get("sent", 0)
+    print(f"{sent} source record(s) {'would be ' if args.dry_run else ''}re-driven for "
+          f"{sent + n.get('same_source', 0)} dead letter(s); {n.get('refused', 0)} refused, "
+          f"{n.get('already', 0)} already re-driven or resolved", file=sys.stderr)
+    return 0
+
+
+def _dl_selected(args: argparse.Namespace, verb: str) -> list[Any]:
+    from trajbus.bus.errors import UserError
+    from trajbus.consumers.operator.deadletters import find
+
+    filtered = bool(args.stage or args.reason or args.task or args.sandbox or args.since
+                    or args.status)
     if not (args.ids or filtered or args.all):
-        raise UserError("select the dead letters to re-drive: ids, --stage/--reason/--task/"
-                        "--sandbox/--since, or --all",
-                        hint="`trajbus deadletters list` shows them; try --dry-run first")
+        raise UserError(f"select the dead letters to {verb}: ids, --stage/--reason/--task/"
+                        "--sandbox/--since/--status, or --all",
+                        hint="`trajbus deadletters list` shows them"
+                        + ("; try --dry-run first" if verb == "re-drive" else ""))
     dls = _dl_read(args)
     if args.ids:
         dls = list({d.event_id: d for d in (find(dls, i) for i in args.ids)}.values())
-    done = asyncio.run(redrive(get_settings(), dls, dry_run=args.dry_run))
-    for r in done:
-        where = f"{r.topic} p{r.partition}" + (f"@{r.offset}" if r.offset >= 0 else "")
-        print(f"{'would re-drive' if args.dry_run else 're-drove'} {r.dead_letter.short_id} "
-              f"({r.dead_letter.stage}/{r.dead_letter.reason_code}) -> {where}")
-    print(f"{len(done)} dead letter(s) {'would be ' if args.dry_run else ''}re-driven",
-          file=sys.stderr)
+    return dls
+
+
+def _dl_resolve(args: argparse.Namespace) -> int:
+    from trajbus.consumers.operator.deadletters import resolve
+
+    dls = _dl_selected(args, "resolve")
+    n = asyncio.run(resolve(get_settings(), dls, args.note, reopen=args.reopen))
+    for d in dls:
+        print(f"{'reopened' if args.reopen else 'resolved'} {d.short_id} "
+              f"({d.stage}/{d.reason_code}, was {d.state})")
+    print(f"{n} dead letter(s) marked {'open' if args.reopen else 'resolved'}", file=sys.stderr)
     return 0
 
 

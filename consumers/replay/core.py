@@ -18,8 +18,14 @@ Guarantees (per episode, keyed by ``(sandbox, episode)``):
   (``conflicting_duplicate``) carrying both versions when the first one is still buffered,
   and the new one plus a reason when the first one was already emitted. The first version
   always wins. Content comparison for already-emitted events covers the last
-  ``dedupe_window`` sequences of the episode; older duplicates are dropped unverified
-  (counter ``duplicates_unverified``).
+  ``dedupe_window`` sequences of the episode by their 64-bit digest and every older seq of
+  the episode (up to ``HISTORY_MAX`` seqs) by a 16-bit digest: an older exact duplicate is
+  dropped (counter ``duplicates``), an older conflicting one is a ``conflicting_duplicate``
+  dead letter like a recent one (missed only when the 16-bit digests collide, 1 in 65,536).
+  A duplicate older than the history (an episode longer than ``HISTORY_MAX`` seqs, a gap
+  wider than ``HISTORY_GAP_MAX`` seqs, or state restored from a changelog written before
+  the history existed) cannot be compared: it is an ``unverified_duplicate`` dead letter
+  (counter ``duplicates_unverified``), never dropped silently.
 * **Gaps.** When an event beyond the next expected seq arrives, the episode *stalls*; the
   stall timer starts at the event's *arrival time* (below) and restarts whenever the episode
   makes progress while events are still buffered. Once the clock has passed that time plus
@@ -83,8 +89,8 @@ Guarantees (per episode, keyed by ``(sandbox, episode)``):
 * **Bad input never raises**: it becomes a :class:`DeadLetterOut` with a stable
   ``reason_code`` (``invalid_seq``, ``missing_episode``, ``missing_sandbox``,
   ``invalid_event``, ``bad_start_seq``, ``missing_outcome``, ``seq_after_end``,
-  ``conflicting_end``, ``conflicting_duplicate``, ``too_many_open_episodes``,
-  ``internal_error``).
+  ``conflicting_end``, ``conflicting_duplicate``, ``unverified_duplicate``,
+  ``too_many_open_episodes``, ``internal_error``).
 * **Determinism.** Outputs depend only on the sequence of ``handle``/``tick`` calls. Segment
   event ids are uuid5 of ``sandbox/episode/segment_index``; :func:`segment_record` builds the
   ReplaySegment record, so re-running a log produces byte-identical segments.
@@ -113,6 +119,10 @@ DIGEST_SIZE = 8
 _GAP_MARK = 0  # ring value of a seq declared missing (content_digest is never 0)
 _NEVER = 2**63 - 1
 GAPS_KEPT = 32
+HISTORY_MAX = 65_536
+"""Seqs per episode whose 16-bit content digest is kept beyond the dedupe window."""
+HISTORY_GAP_MAX = 4_096
+"""A gap wider than this restarts the history (its seqs are remembered in ``gaps``)."""
 """Closed gaps remembered per episode (beyond the dedupe window) to route late events."""
 
 SEGMENT_NAMESPACE = uuid.UUID("6f2b8c1e-3d1a-5b7e-9c4f-2a7d0e5b8f13")
@@ -277,7 +287,8 @@ class _Ep:
     __slots__ = (
         "active", "buf", "buf_bytes", "closed", "end_seq", "episode", "expect", "expire_at",
         "final_seq",
-        "gap_since", "gaps", "key", "last_time", "next_seq", "recycle_at", "ring", "sandbox",
+        "gap_since", "gaps", "hist", "hist_base", "key", "last_time", "next_seq", "recycle_at",
+        "ring", "sandbox",
         "seg_index", "stop", "task", "terminal",
     )
 
@@ -304,8 +315,37 @@ class _Ep:
         self.expire_at = -1
         self.ring = array("Q", _ZERO8) * w  # digests of the last w seqs, by seq % w
         self.gaps: list[tuple[int, int]] = []
+        # 16-bit digests (_h16) of seqs hist_base .. hist_base + len(hist) - 1 (== next_seq - 1
+        # while the history is intact); 0 marks a seq declared missing
+        self.hist = array("H")
+        self.hist_base = 0
 
 
+def _h16(digest: int) -> int:
+    """The history's 16-bit digest of a content digest (never 0, the gap mark)."""
+    return (digest & 0xFFFF) or 1
+
+
+def _remember(ep: _Ep, seq: int, h: int) -> None:
+    """Append seq's history digest; restart the history if it does not end right before seq
+    (kept contiguous), and forget its oldest seqs beyond ``HISTORY_MAX``."""
+    hist = ep.hist
+    if ep.hist_base + len(hist) != seq:
+        del hist[:]
+        ep.hist_base = seq
+    hist.append(h)
+    _trim(ep)
+
+
+def _trim(ep: _Ep) -> None:
+    hist = ep.hist
+    if len(hist) > HISTORY_MAX:
+        cut = len(hist) - HISTORY_MAX + HISTORY_MAX // 8
+        del hist[:cut]
+        ep.hist_base += cut
+
+
+_HIST = struct.Struct("<qI")
 _ZERO8 = b"\x00" * 8
 _FIXED = struct.Struct("<qqqqqqqqqBI")
 _STR = struct.Struct("<I")
@@ -482,7 +522,12 @@ class ReorderCore:
                     and kind != "EpisodeStart"
                 ):
                     # kept for the dedupe window (raises -> dead letter if raw is no bytes)
-                    ep.ring[seq % self._w] = content_digest(raw)
+                    dig = ep.ring[seq % self._w] = content_digest(raw)
+                    hist = ep.hist
+                    if ep.hist_base + len(hist) == seq and len(hist) < HISTORY_MAX:
+                        hist.append((dig & 0xFFFF) or 1)
+                    else:
+                        _remember(ep, seq, (dig & 0xFFFF) or 1)
                     ep.next_seq = ep.expect = seq + 1
                     idx = ep.seg_index
                     ep.seg_index = idx + 1
@@ -935,7 +980,31 @@ class ReorderCore:
             if lo <= seq <= hi:
                 out.append(self._late(ep, seq, ev.raw, "after_gap"))
                 return
+        i = seq - ep.hist_base
+        if 0 <= i < len(ep.hist):  # older than the window: its 16-bit digest
+            h = ep.hist[i]
+            if h == 0:
+                out.append(self._late(ep, seq, ev.raw, "after_gap"))
+                return
+            mine = _h16(content_digest(ev.raw))
+            if h == mine:
+                self._c["duplicates"] += 1
+            else:
+                self._c["conflicts"] += 1
+                out.append(self._dl(ev, "conflicting_duplicate",
+                                    f"seq {seq} was already emitted with different content "
+                                    f"({ep.next_seq - seq} seqs back, beyond the dedupe window "
+                                    f"of {self._w}: 16-bit digest {h:04x}, this one "
+                                    f"{mine:04x}); the kept version is in the episode's "
+                                    "replay segments"))
+            return
         self._c["duplicates_unverified"] += 1
+        out.append(self._dl(ev, "unverified_duplicate",
+                            f"seq {seq} was already emitted, {ep.next_seq - seq} seqs back: "
+                            "older than the content history kept for the episode (from seq "
+                            f"{ep.hist_base}), so it was not compared with the kept version "
+                            "and is not used; the kept version is in the episode's replay "
+                            "segments"))
 
     def _sandbox_event(self, ev: InEvent, out: list[Output]) -> None:
         sb = ev.sandbox
@@ -1017,6 +1086,7 @@ class ReorderCore:
         if first is not None:
             raw, dig, last_t = first
             ring[seq % w] = dig
+            _remember(ep, seq, _h16(dig))
             events.append(raw)
             nbytes = len(raw)
             seq += 1
@@ -1029,6 +1099,7 @@ class ReorderCore:
             del buf[seq]
             self._unbuffer(ep, len(raw))
             ring[seq % w] = dig
+            _remember(ep, seq, _h16(dig))
             events.append(raw)
             nbytes += len(raw)
             last_t = t
@@ -1071,6 +1142,12 @@ class ReorderCore:
         w = self._w
         for s in range(max(lo, hi - w + 1), hi + 1):
             ep.ring[s % w] = _GAP_MARK
+        if hi - lo < HISTORY_GAP_MAX and ep.hist_base + len(ep.hist) == lo:
+            ep.hist.extend(array("H", bytes(2 * (hi - lo + 1))))
+            _trim(ep)
+        else:
+            del ep.hist[:]
+            ep.hist_base = hi + 1
         gaps = ep.gaps
         gaps.append((lo, hi))
         if len(gaps) > GAPS_KEPT:
@@ -1207,6 +1284,14 @@ class ReorderCore:
             raw, dig, t = buf[s]
             parts.append(_BUFHDR.pack(s, t, dig, len(raw)))
             parts.append(raw)
+        hist = ep.hist
+        parts.append(_HIST.pack(ep.hist_base, len(hist)))
+        if sys.byteorder == "little":
+            parts.append(hist.tobytes())
+        else:
+            h = array("H", hist)
+            h.byteswap()
+            parts.append(h.tobytes())
         return b"".join(parts)
 
     def _pack_held(self, sb: str, held: list[_Held]) -> bytes:
@@ -1291,6 +1376,17 @@ class ReorderCore:
             off += _BUFHDR.size
             buf[s] = (blob[off : off + n], dig, t)
             off += n
+        hist = array("H")
+        hist_base = ns  # a blob written before the history: it starts now
+        if off < len(blob):
+            hist_base, nhist = _HIST.unpack_from(blob, off)
+            off += _HIST.size
+            hist.frombytes(blob[off : off + 2 * nhist])
+            if sys.byteorder != "little":
+                hist.byteswap()
+            off += 2 * nhist
+            if len(hist) != nhist:
+                raise ValueError("reorder state blob has the wrong length")
         if off != len(blob) or len(old_ring) != ring_len:
             raise ValueError("reorder state blob has the wrong length")
 
@@ -1303,6 +1399,7 @@ class ReorderCore:
         ep.stop = end_seq if end_seq >= 0 else final_seq
         ep.closed, ep.terminal = bool(flags & 1), bool(flags & 2)
         ep.gaps = [(int(lo), int(hi)) for lo, hi in gaps]
+        ep.hist, ep.hist_base = hist, hist_base
         old_w = ring_len
         if old_w == self._w:
             ep.ring = old_ring
