@@ -1187,9 +1187,10 @@ class ReplayClient:
 
         Returns True when the acknowledgement is this member's for the group: with per-ack
         commits (``commit_every_ms=0``) once it is committed; with coalesced commits (the
-        default, ``commit_every_ms=100``) at once (it is committed in the background, and at the latest when a rebalance takes the
-        partition away -- ``stats["acks_lost_in_rebalance"]`` counts any that commit could
-        not carry). Returns False when the item's partition went to another member of the
+        default, ``commit_every_ms=100``) at once (it is committed in the background, and at
+        the latest when a rebalance takes the partition away --
+        ``stats["acks_lost_in_rebalance"]`` counts any that commit could not carry). Returns
+        False when the item's partition went to another member of the
         group since it was handed out (a member joined or left): that member delivers it
         again, whole, and its acknowledgement is the one that counts; a trainer that wants
         each episode's work to count once discards what it drew from this one. Acknowledging
