@@ -25,7 +25,7 @@ from trajbus.bus.settings import KafkaSettings, Settings, TopicSettings
 from trajbus.bus.topics import TopicSpec
 from trajbus.infra.cluster import LocalCluster
 
-pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300), pytest.mark.xdist_group("cluster")]
 
 
 def test_the_cli_reports_the_cluster_and_its_nodes(kafka_cluster: LocalCluster) -> None:

@@ -19,7 +19,8 @@ from cluster_faults import FAULTS
 from trajbus.bus.settings import ArchiveSettings, KafkaSettings, Settings, TopicSettings
 from trajbus.infra.cluster import LocalCluster
 
-pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(600),
+              pytest.mark.xdist_group("cluster")]
 
 
 def test_a_run_survives_the_sigkill_of_its_busiest_partitions_leader(
