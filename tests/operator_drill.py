@@ -270,8 +270,10 @@ async def check_redrive(settings: Settings, planted: list[Planted], result: RunR
     sent = [r for r in first if r.action == "sent"]
     result.redriven = len(sent)
     if len(sent) != want:
+        what = "; ".join(f"{r.dead_letter.stage}/{r.dead_letter.reason_code} "
+                         f"{r.dead_letter.source_key}: {r.dead_letter.reason[:120]}" for r in sent)
         result.failures.append(f"redrive sent {len(sent)} records, want {want} (every planted "
-                               "record is a permanent failure)")
+                               f"record is a permanent failure): {what}")
     wrong = [r for r in first if r.action not in ("sent", "refused", "same_source", "already")]
     if wrong:
         result.failures.append(f"redrive answered {[r.action for r in wrong]}")

@@ -244,3 +244,46 @@ async def test_a_second_archive_destination_does_not_dead_letter_again(
     assert sum(len(v) for v in parts.values()) == 1  # the junk, dead-lettered once
     assert (first.dead_letters, first.dead_letters_known) == (1, 0)
     assert (second.dead_letters, second.dead_letters_known) == (0, 1)
+
+
+def test_a_record_one_stage_refused_for_good_is_not_redriven_for_another(
+        kafka_broker: Any, unique_name: str) -> None:
+    """The operators' drill (2026-12-05): a heartbeat with a path in its sandbox id was
+    dead-lettered by the reorder as ``invalid_id`` (permanent) and by the scheduler as
+    ``unknown_sandbox`` (transient); redrive sent it back, where the reorder refused it again.
+    A record whose dead letter of any stage is permanent is not re-driven, even when only the
+    other stage's dead letter is selected."""
+    settings = settings_for(kafka_broker.bootstrap, unique_name)
+    topics = Topics(settings)
+    t = int(time.time() * 1000)
+    hb = m.Heartbeat(header=m.Envelope(event_id="hb-bad-id", task="web-shop",
+                                       sandbox="sb/../../etc", seq=0, event_time_ms=t,
+                                       producer_id="test"))
+
+    async def setup() -> None:
+        from aiokafka import AIOKafkaProducer
+
+        await ensure_base_topics(settings, ["web-shop"])
+        producer = AIOKafkaProducer(bootstrap_servers=settings.kafka.bootstrap_servers)
+        await producer.start()
+        try:
+            md = await producer.send_and_wait(topics.sandbox_events, hb.encode(), key=b"sb-x")
+            for stage, code in (("reorder", "invalid_id"), ("scheduler", "unknown_sandbox")):
+                dl = dead_letter_event(stage=stage, reason_code=code, reason=f"test {code}",
+                                       source_topic=topics.sandbox_events,
+                                       source_partition=md.partition, source_offset=md.offset,
+                                       key=b"sb-x", value=hb.encode(), producer_id="test",
+                                       sandbox="sb-x", task="web-shop", event_time_ms=t)
+                await producer.send_and_wait(topics.deadletter, dl.encode(), key=b"sb-x")
+        finally:
+            await producer.stop()
+
+    asyncio.run(setup())
+    before = asyncio.run(_redriven_records(settings))
+    only_scheduler = _cli(settings, "deadletters", "redrive", "--stage", "scheduler")
+    assert "re-drove" not in only_scheduler.stdout, only_scheduler.stdout
+    assert "reorder stage's dead letter of the same record" in only_scheduler.stdout
+    every = _cli(settings, "deadletters", "redrive", "--all")
+    assert "re-drove" not in every.stdout, every.stdout
+    assert sum(x.startswith("refused") for x in every.stdout.splitlines()) == 2, every.stdout
+    assert asyncio.run(_redriven_records(settings)) == before  # nothing sent

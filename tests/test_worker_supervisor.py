@@ -237,3 +237,31 @@ def test_processors_failing_together_leave_no_unretrieved_task_exception() -> No
     asyncio.run(main())
     gc.collect()
     assert [c.get("message") for c in seen] == []
+
+
+async def test_a_send_without_topic_metadata_during_an_outage_counts_as_the_broker_away(
+        ) -> None:
+    """The operators' drill (2026-12-05, run 4): during a 20 s broker outage the scheduler's
+    transaction raised aiokafka's UnknownTopicOrPartitionError (no metadata for an output
+    topic within the request timeout), which the supervisor took for a bug: the worker
+    exited. It is the broker away: the processor restarts from its committed state."""
+    import contextlib
+
+    from aiokafka.errors import UnknownTopicOrPartitionError
+
+    from trajbus.bus.kafka import broker_went_away
+
+    class NoMetadataProducer:
+        @contextlib.asynccontextmanager
+        async def transaction(self) -> Any:
+            yield
+
+        async def send(self, *_: Any, **__: Any) -> Any:
+            raise UnknownTopicOrPartitionError()
+
+    spec = ProcessorSpec(name="echo", input_topics=["x"], factory=EchoCore)
+    runner = Runner(settings_for("127.0.0.1:1", "unused"), spec, "w0")
+    runner._producer = NoMetadataProducer()  # type: ignore[assignment]
+    with pytest.raises(KafkaError) as info:
+        await runner._transact([], [(0, "k", b"v")], {})
+    assert broker_went_away(info.value)

@@ -379,6 +379,11 @@ class SchedulerProcessor(_Adapter):
             self._convert(results, outs, rec, decoded.header)
             self._in_order(self.sandbox_order.tick(now), rec, outs)
             return outs
+        if kind in _SANDBOX_STREAM and (bad := _invalid_ids(decoded.header)) is not None:
+            # the reorder stage refuses it for the same reason: one permanent verdict, not
+            # an "unknown sandbox" that redrive would take for transient
+            outs.append(self.dead_letter(rec, "invalid_id", bad, header=decoded.header))
+            return outs
         if kind in _SANDBOX_STREAM and record["header"]["episode"] is None:
             from trajbus.consumers.replay.core import InEvent
 

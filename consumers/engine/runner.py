@@ -46,7 +46,12 @@ from aiokafka.coordinator.protocol import (
     ConsumerProtocolMemberAssignment,
     ConsumerProtocolMemberMetadata,
 )
-from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
+from aiokafka.errors import (
+    KafkaConnectionError,
+    KafkaError,
+    KafkaTimeoutError,
+    UnknownTopicOrPartitionError,
+)
 
 from trajbus.bus.admin import (
     TOPIC_SETUP_PATIENCE_S,
@@ -1036,10 +1041,16 @@ class Runner:
         assert self._producer is not None
         send = self._producer.send
         async with self._producer.transaction():
-            futures = [await send(o.topic, o.value, key=o.key, partition=o.partition)
-                       for o in outs]
-            futures += [await send(self.changelog, blob, key=key.encode(), partition=slot)
-                        for slot, key, blob in state]
+            try:
+                futures = [await send(o.topic, o.value, key=o.key, partition=o.partition)
+                           for o in outs]
+                futures += [await send(self.changelog, blob, key=key.encode(), partition=slot)
+                            for slot, key, blob in state]
+            except UnknownTopicOrPartitionError as exc:
+                # aiokafka's answer when no metadata came within its request timeout: for the
+                # topics this worker made sure of, the broker is away (a restart, an outage)
+                raise KafkaTimeoutError("no topic metadata within the request timeout "
+                                        "(the broker away?)") from exc
             if futures:
                 await asyncio.gather(*futures)
             # The offsets only once every record is acknowledged. A Kafka 4 broker verifies

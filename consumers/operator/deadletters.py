@@ -431,6 +431,7 @@ async def redrive(settings: Settings, dls: Sequence[DeadLetterRecord], *,
                     if st.status == "redriven" and st.source}
     out: dict[str, Redriven] = {}
     groups: dict[str, list[DeadLetterRecord]] = {}
+    refused_sources: dict[str, tuple[DeadLetterRecord, str]] = {}
     for d in dls:
         st = statuses.get(d.event_id)
         if st is not None and st.status != "open":
@@ -442,8 +443,25 @@ async def redrive(settings: Settings, dls: Sequence[DeadLetterRecord], *,
                                        "letter of it)")
         elif (why := redrivable(settings, d, have, codec)) is not None:
             out[d.event_id] = Redriven(d, d.source_topic, d.source_partition, -1, "refused", why)
+            refused_sources.setdefault(d.source_key, (d, why))
         else:
             groups.setdefault(d.source_key, []).append(d)
+    # Sent back, a record goes through every stage again: if one stage's verdict on it is
+    # permanent, that stage refuses it again, so none of its dead letters is re-driven
+    # (the other stages' dead letters of it count even when not selected).
+    if groups:
+        selected = {d.event_id for d in dls}
+        for d in await read_dead_letters(settings, codec):
+            if (d.source_key in groups and d.event_id not in selected
+                    and d.source_key not in refused_sources
+                    and (why := redrivable(settings, d, have, codec)) is not None):
+                refused_sources[d.source_key] = (d, why)
+    for key in [k for k in groups if k in refused_sources]:
+        first, why = refused_sources[key]
+        for d in groups.pop(key):
+            out[d.event_id] = Redriven(d, d.source_topic, d.source_partition, -1, "refused",
+                                       f"the {first.stage} stage's dead letter of the same "
+                                       f"record ({first.short_id}) is refused: {why}")
     sends = [(g[0], g[1:]) for g in groups.values()]
     for lead, rest in sends:
         for d in rest:
