@@ -25,8 +25,8 @@ Guarantees:
   ``"spill"`` keeps the event on disk only (the journal) and sends it from there, raising
   :class:`QueueFullError` only past ``max_journal_bytes``.
 - **One writer per directory.** The state directory is flock-ed; a second emitter on it raises
-  :class:`StateDirLockedError` (the lock dies with the process, so a SIGKILLed emitter's
-  directory can be taken over at once).
+  :class:`StateDirLockedError` after waiting :data:`STATE_DIR_LOCK_WAIT_S` (the lock dies
+  with the process, so a SIGKILLed emitter's directory can be taken over at once).
 - **Secrets never leave.** Every free-text field of every event -- tool names, args and
   results, trace bytes, lifecycle and episode-end reasons, liveness probe, target and error,
   env snapshot, context keys and values, content types, reset reasons, the drain detail --
@@ -56,6 +56,7 @@ import os
 import random
 import socket
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,8 +152,15 @@ class EpisodeStateError(RuntimeError):
     """An event for an episode that is not open, or a start of an episode that exists."""
 
 
+STATE_DIR_LOCK_WAIT_S = 2.0
+"""How long opening a state directory waits for its lock before :class:`StateDirLockedError`.
+A child process forked by this one holds a copy of every descriptor, the lock's among them,
+until it execs (or exits): an emitter closed and re-opened on its directory in that moment (a
+migration while the process spawns a child) finds the lock held for a moment, not for good."""
+
+
 class StateDirLockedError(RuntimeError):
-    """Another live emitter holds this state directory."""
+    """Another live emitter holds this state directory (for :data:`STATE_DIR_LOCK_WAIT_S`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,12 +357,20 @@ class SandboxEmitter:
     def _open_journal(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.state_dir / "emitter.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise StateDirLockedError(
-                f"{self.state_dir} is in use by another live emitter (flock held)") from None
+        deadline = time.monotonic() + STATE_DIR_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.01)  # a forked child about to exec holds it (see the constant)
+                    continue
+                os.close(fd)
+                raise StateDirLockedError(
+                    f"{self.state_dir} is in use by another live emitter (flock held for "
+                    f"{STATE_DIR_LOCK_WAIT_S:.0f} s); one emitter per state directory: give "
+                    f"this one its own state_dir, or close the other first") from None
         self._lock_fd = fd
         try:
             journal = Journal(self.state_dir / "journal", self._segment_bytes)

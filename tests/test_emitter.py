@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 
@@ -314,3 +315,23 @@ def test_journal_header_text_is_what_json_dumps_writes() -> None:
         if rng.random() < 0.1:
             h = dict(reversed(list(h.items())))
         assert _header_json(h) == json.dumps(h, separators=(",", ":")), h
+
+
+@pytest.mark.timeout(30)
+async def test_state_dir_reopens_while_a_forked_child_still_holds_the_lock(
+        kafka_broker, unique_name, tmp_path):
+    # A process that spawns children (an agent runtime, the demo starting its worker) forks
+    # them with every descriptor, the emitter's lock among them, until they exec: an emitter
+    # re-opened on its directory in that moment (a migration) waits for the lock, briefly.
+    s = make_settings(kafka_broker.bootstrap, unique_name, tmp_path)
+    em = SandboxEmitter("sb-fork", "task-a", settings=s)
+    child = os.fork()
+    if child == 0:  # between fork and exec: holds a copy of the lock's descriptor
+        time.sleep(0.3)
+        os._exit(0)
+    try:
+        await em.abort()
+        again = SandboxEmitter("sb-fork", "task-a", settings=s)
+        await again.abort()
+    finally:
+        os.waitpid(child, 0)
