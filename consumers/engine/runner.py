@@ -81,6 +81,9 @@ log = logging.getLogger("trajbus.runner")
 ops_log = logging.getLogger("trajbus.ops")
 TICK_KEY = b"_tick"
 _MAX_IDLE_S = 10.0
+PASS_MARKERS_AFTER_S = 2.0
+"""An idle input partition's position is committed past what holds no record (a transaction's
+commit marker, aborted records) after this long without input (see ``_commit_passed``)."""
 _STATS_S = 10.0
 _STATS = ("batches", "records", "outputs", "changelog", "poll_s", "handle_s", "txn_s",
           "txn_max_ms", "age_ms", "age_max_ms", "between_polls_max_ms")
@@ -728,6 +731,7 @@ class Runner:
         ticker = asyncio.create_task(self._ticker())
         lag = asyncio.create_task(export_lag(self.group_id, self._consumer))
         idle_since = time.monotonic()
+        pass_markers_at = idle_since + PASS_MARKERS_AFTER_S
         clean = False
         try:
             last_poll_end: float | None = None
@@ -751,7 +755,11 @@ class Runner:
                 if not batch:
                     if until_idle is not None and time.monotonic() - idle_since > until_idle:
                         break
+                    if time.monotonic() >= pass_markers_at:
+                        await self._commit_passed()
+                        pass_markers_at = time.monotonic() + PASS_MARKERS_AFTER_S
                     continue
+                pass_markers_at = time.monotonic() + PASS_MARKERS_AFTER_S
                 if any(m.key != TICK_KEY for msgs in batch.values() for m in msgs):
                     idle_since = time.monotonic()
                 if self.spec.ordered:
@@ -956,6 +964,39 @@ class Runner:
                 return
             self._inflight = asyncio.create_task(self._commit(*prepared))
 
+    async def _commit_passed(self) -> None:
+        """Commit, in a transaction of its own, the position of each idle input partition that
+        is past the group's commit with nothing of it left to process: what lies between is
+        what a reader never gets (the commit marker that follows each transaction of the
+        producer upstream, aborted records). Without it an idle worker's group reads lag 1
+        per partition written transactionally in Kafka's own tools and a lag exporter's, for
+        good. Skipped while a transaction is in flight or failed, or a restore runs: the next
+        idle poll tries again."""
+        consumer = self._consumer
+        if consumer is None or self._restoring is not None:
+            return
+        async with self._lock:
+            task = self._inflight
+            if task is not None and (not task.done() or task.cancelled()
+                                     or task.exception() is not None):
+                return  # a failure is raised by the main loop
+            paused = consumer.paused()
+            offsets: dict[TopicPartition, int] = {}
+            for tp in consumer.assignment():
+                if tp in paused or self._pending.get(tp) or \
+                        self._slot(tp.partition) not in self.cores or tp not in self._committed:
+                    continue
+                try:
+                    position = await asyncio.wait_for(consumer.position(tp), 1.0)
+                except (TimeoutError, KafkaError):
+                    continue  # no position yet, or revoked meanwhile
+                committed = self._committed[tp]
+                if position > (committed if committed is not None else 0):
+                    offsets[tp] = position
+            if offsets:
+                self._inflight = asyncio.create_task(
+                    self._commit([], [], offsets, {}, 0, time.perf_counter()))
+
     async def _prepare(self, records: list[tuple[TopicPartition, Any]]
                        ) -> tuple[list[OutRecord], list[tuple[int, str, bytes | None]],
                                   dict[TopicPartition, int], dict[str, int], int, float]:
@@ -1028,7 +1069,8 @@ class Runner:
         for topic, n in counts_out.items():
             metrics.EVENTS_OUT.labels(self.spec.name, topic).inc(n)
         done = time.perf_counter()
-        metrics.BATCH_SECONDS.labels(self.spec.name).observe(done - started)
+        if n_records:  # not an offsets-only transaction (_commit_passed)
+            metrics.BATCH_SECONDS.labels(self.spec.name).observe(done - started)
         self.processed += n_records
         self._stats["txn_s"] += done - t_txn
         self._stats["txn_max_ms"] = max(self._stats["txn_max_ms"], 1000 * (done - t_txn))
