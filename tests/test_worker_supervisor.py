@@ -13,6 +13,7 @@ failure stops the whole worker within a deadline.
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import time
@@ -36,7 +37,8 @@ PARTITIONS = 2
 @pytest.mark.kafka
 @pytest.mark.timeout(150)
 async def test_a_processor_whose_producer_dies_with_the_broker_connection_is_rebuilt_and_loses_nothing(  # noqa: E501
-        kafka_broker, unique_name, monkeypatch) -> None:
+        kafka_broker, unique_name, monkeypatch, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="trajbus.ops")  # what a worker without -v logs
     settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=PARTITIONS)
     in_topic, out_topic = f"{unique_name}.in", f"{unique_name}.out"
     await ensure_topics(settings, [TopicSpec(t, PARTITIONS, "test", "key")
@@ -74,6 +76,11 @@ async def test_a_processor_whose_producer_dies_with_the_broker_connection_is_reb
     out = await consume_until(settings, out_topic, lambda vs: len(vs) >= len(expected))
     assert sorted(out) == expected  # each input once: nothing lost, nothing repeated
     assert processed["echo"] >= len(expected)
+    # an operator sees the reconnection and the takeover without -v
+    ops = [r.getMessage() for r in caplog.records if r.name == "trajbus.ops"]
+    reconnected = [m for m in ops if m.startswith("echo: reconnected to Kafka at")]
+    assert len(reconnected) == 1 and f"rejoining group {unique_name}.echo" in reconnected[0], ops
+    assert sum("assigned 2 input partitions" in m for m in ops) >= 2, ops
 
 
 class _FakeRunner:
