@@ -14,11 +14,12 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 
-.PHONY: demo test test-fast lint bench soak setup jars browser promtool clean help
+.PHONY: demo test test-fast test-unit lint bench soak setup jars browser promtool clean help
 
 help:
 	@echo "make demo   - run the main job: local Kafka, processors, simulated fleet, archive"
 	@echo "make test   - set up and run the whole test suite against a real local broker"
+	@echo "make test-unit - the tests that need no broker and no Java (no set-up of Kafka)"
 	@echo "make bench  - run the benchmarks under bench/ and write BENCHMARKS.md"
 	@echo "make soak   - the pipeline 10x under stress (CPU hogs, worker SIGKILL, broker restarts)"
 	@echo "             then the scale test (20,000 open episodes: SIGKILL, join, leave)"
@@ -58,6 +59,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+
+# The tests that need no broker and no Java, in one process: the fast loop while editing.
+test-unit: $(STAMP)
+	$(PY) -m pytest -p no:xdist -m "not kafka and not java and not slow" $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)

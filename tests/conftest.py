@@ -25,6 +25,16 @@ from support import broker_unavailable
 from trajbus.infra.broker import KafkaSetupError, LocalBroker, free_port
 from trajbus.infra.cluster import LocalCluster
 
+_BROKER_FIXTURES = {"kafka_broker", "kafka_cluster", "restore_cluster"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that asks for a broker (directly or through another fixture) is a ``kafka``
+    test, marked or not: ``make test-unit`` (``-m "not kafka"``) runs without Java."""
+    for item in items:
+        if _BROKER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.kafka)
+
 
 @dataclass
 class KafkaHandle:

@@ -11,7 +11,7 @@ from test_archive_store import fleet, records, shell_for
 
 from trajbus.archive.storage import LocalStore
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.java]
 
 
 def test_spark_reads_each_event_once_with_the_documented_types(tmp_path: Path) -> None:
