@@ -79,7 +79,8 @@ class Episode:
 
 
 class PlantedLog:
-    """Input records of the watchdog and the scheduler, with offsets per partition."""
+    """Input records of the watchdog and the scheduler, per partition (added in any order;
+:meth:`recorded` puts each partition in record-timestamp order, as a broker appends them)."""
 
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or settings_t()
@@ -129,8 +130,10 @@ class PlantedLog:
         self.lifecycle(sb, t, "PROVISIONING", node="n1", tenant="acme")
         self.lifecycle(sb, t + SECOND, "ACTIVE")
 
-    def heartbeat(self, sb: str, t: int) -> None:
-        ev = m.Heartbeat(header=self._sandbox_header(sb, t), lease_ttl_ms=600_000)
+    def heartbeat(self, sb: str, t: int, ttl: int = 600_000) -> None:
+        """A heartbeat asking for a lease of ``ttl`` (the scheduler grants at most its own
+        ``lease_ttl_ms`` and ``missed_heartbeats_to_reclaim`` x ``heartbeat_interval_ms``)."""
+        ev = m.Heartbeat(header=self._sandbox_header(sb, t), lease_ttl_ms=ttl)
         self.add(self.topics.sandbox_events, 0, sb.encode(), ev.encode(), t)
 
     def ticks(self, start: int, end: int, every: int = 10 * SECOND) -> None:
@@ -145,7 +148,9 @@ class PlantedLog:
         """The log with what the live watchdog, then the live scheduler, recorded from it (the
         alerts written to the alerts topic, which the scheduler reads, at their trigger's log
         time + 5 ms)."""
-        parts = {tp: list(recs) for tp, recs in self.parts.items()}
+        parts = {tp: [r._replace(offset=i) for i, r in enumerate(
+                     sorted(recs, key=lambda r: r.timestamp_ms))]
+                 for tp, recs in self.parts.items()}  # a partition is in log-time order
         recorded: list[DerivedRecord] = []
         for spec in (watchdog_spec(self.settings), scheduler_spec(self.settings)):
             mine = processor_inputs(spec.input_topics, spec.input_pattern, parts)

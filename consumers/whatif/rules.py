@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from trajbus.bus.errors import UserError
 from trajbus.bus.settings import SchedulerSettings, Settings, WatchdogSettings
@@ -104,7 +104,10 @@ def _coerce(group: str, fname: str, value: Any) -> Any:
         return [part.strip() for part in text.split(",") if part.strip()]
     if fname == "per_task":
         return json.loads(text)
-    return text  # pydantic converts "15" to 15, and refuses "fifteen" naming the field
+    try:
+        return TypeAdapter(annotation).validate_python(text)  # "15" -> 15
+    except ValidationError:
+        return text  # refused by apply(), naming the rule
 
 
 @dataclass(frozen=True)

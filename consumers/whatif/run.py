@@ -133,10 +133,10 @@ def _events_in(parts: dict[TopicPartition, list[InRecord]], codec: object) -> in
 def substitute_alerts(log: RecordedLog, settings: Settings, baseline: PipelineRun,
                       changed: PipelineRun) -> dict[TopicPartition, list[InRecord]]:
     """The alerts topic as the scheduler would have read it had the watchdog run with the
-    changed rules: the recorded alert records the scheduler processed, minus those whose event
-    id the recorded-rules watchdog raises and the changed one does not, plus the changed
-    watchdog's new alerts (encoded as it would write them) at their trigger's log time, up to
-    the last log time the scheduler processed."""
+    changed rules: the recorded alert records the scheduler processed, minus those the
+    recorded-rules watchdog raises and the changed one does not raise identically, plus the
+    changed watchdog's new or changed alerts (encoded as it would write them) at their
+    trigger's log time, up to the last log time the scheduler processed."""
     topics = Topics(settings)
     codec = default_codec()
     upto = log.upto("scheduler")
@@ -144,10 +144,15 @@ def substitute_alerts(log: RecordedLog, settings: Settings, baseline: PipelineRu
     if upto is not None:
         parts = {tp: [r for r in recs if r.offset < upto.get(tp, 0)]
                  for tp, recs in parts.items()}
-    before = {d.event_id for d in baseline.by_producer("watchdog") if d.kind == "WatchdogAlert"}
+    before = {d.event_id: d for d in baseline.by_producer("watchdog")
+              if d.kind == "WatchdogAlert"}
     after = {d.event_id: d for d in changed.by_producer("watchdog")
              if d.kind == "WatchdogAlert"}
-    gone = before - set(after)
+    # an alert the changed rules raise differently (the same loop caught at another seq keeps
+    # its id) is replaced too
+    same = {eid for eid, d in before.items()
+            if eid in after and after[eid].comparable() == d.comparable()}
+    gone = set(before) - same
     out: dict[TopicPartition, list[InRecord]] = {}
     for tp, recs in parts.items():
         kept = []
@@ -160,7 +165,7 @@ def substitute_alerts(log: RecordedLog, settings: Settings, baseline: PipelineRu
                 kept.append(rec)
         out[tp] = kept
     horizon = _last_log_time(log, settings)
-    new = sorted((d for eid, d in after.items() if eid not in before
+    new = sorted((d for eid, d in after.items() if eid not in same
                   and (horizon is None or d.log_time_ms <= horizon)),
                  key=lambda d: (d.log_time_ms, d.event_id))
     if new:
