@@ -104,6 +104,8 @@ def _coerce(group: str, fname: str, value: Any) -> Any:
         return [part.strip() for part in text.split(",") if part.strip()]
     if fname == "per_task":
         return json.loads(text)
+    if annotation is None:
+        return text
     try:
         return TypeAdapter(annotation).validate_python(text)  # "15" -> 15
     except ValidationError:
