@@ -6,6 +6,7 @@ threshold the planted loops' terminations go away, and the self-check still pass
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -30,7 +31,8 @@ def _whatif(env: dict[str, str], *argv: str) -> tuple[int, dict[str, Any], str]:
 
 
 async def test_whatif_on_a_demo_run_reproduces_the_recorded_decisions(
-        kafka_broker: Any, unique_name: str, tmp_path: Path) -> None:
+        kafka_broker: Any, unique_name: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=2,
                             archive=ArchiveSettings(url=str(tmp_path / "archive"),
                                                     spool_dir=str(tmp_path / "spool")))
@@ -72,3 +74,21 @@ async def test_whatif_on_a_demo_run_reproduces_the_recorded_decisions(
                           check=False)
     assert proc.returncode == 1 and "no events of sandbox 'sb-nope'" in proc.stderr
     assert "existing sandboxes:" in proc.stderr and "Traceback" not in proc.stderr
+
+    # the README's notebook snippet, against this run (settings from the environment)
+    from readme_support import snippets
+
+    from trajbus.bus.settings import get_settings
+
+    (snippet,) = snippets("For operators", "python")
+    for k, v in env.items():
+        if k.startswith("TRAJBUS_"):
+            monkeypatch.setenv(k, v)
+    get_settings.cache_clear()
+    try:
+        scope: dict[str, Any] = {}
+        await asyncio.to_thread(exec, snippet.code, scope)  # whatif() runs its own loop
+        diff = scope["diff"]
+        assert diff.self_check.passed and diff.rules[0][0] == "scheduler.lease_ttl_ms"
+    finally:
+        get_settings.cache_clear()

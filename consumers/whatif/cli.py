@@ -110,7 +110,7 @@ def _whatif(args: argparse.Namespace) -> int:
     where = LogFilter(task=args.task, sandbox=args.sandbox,
                       from_ms=parse_time(args.from_) if args.from_ else None,
                       to_ms=parse_time(args.to) if args.to else None)
-    progress = _Progress(args.quiet or args.json)
+    progress = _Progress(args.quiet)
     log = asyncio.run(read_kafka_log(settings, timeout_s=args.timeout, progress=progress.note))
     diff = whatif(log, rules, settings=settings, where=where, progress=progress)
     print(render_json(diff) if args.json else render_table(diff))
