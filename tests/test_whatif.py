@@ -269,3 +269,59 @@ def test_the_html_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     for expected in ("self-check passed", "watchdog.loop_min_repeats", "Sandbox sb-near",
                      "Sandbox sb-loop", "52.5 s sooner", "TERMINATE"):
         assert expected in text, expected
+
+
+def _cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+         rec: RecordedLog, *argv: str) -> tuple[int, str, str]:
+    """``trajbus whatif ...`` in this process, its log read from ``rec`` instead of Kafka."""
+    from trajbus import cli
+    from trajbus.consumers.whatif import source
+
+    async def planted(*_: object, **kw: object) -> RecordedLog:
+        note = kw.get("progress")
+        if callable(note):
+            note("reading (planted)")
+        return rec
+
+    monkeypatch.setattr(source, "read_kafka_log", planted)
+    monkeypatch.setenv("TRAJBUS_TOPICS__PREFIX", "t")
+    from trajbus.bus.settings import get_settings
+
+    get_settings.cache_clear()
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["whatif", *argv])
+    finally:
+        get_settings.cache_clear()
+    out = capsys.readouterr()
+    return int(exit_.value.code or 0), out.out, out.err
+
+
+def test_the_command_prints_the_self_check_first_and_exits_3_when_it_fails(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    _, rec = loop_log()
+    code, out, err = _cli(monkeypatch, capsys, rec, "--set", "loop_min_repeats=15",
+                          "--html", str(tmp_path / "r.html"))
+    assert code == 0, err
+    assert out.startswith("self-check passed") and "sandbox sb-near" in out
+    assert "reading (planted)" in err and "HTML report written" in err
+    assert (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
+
+    rec.recorded.pop()  # a recorded output the re-run will not find among the recorded
+    code, out, err = _cli(monkeypatch, capsys, rec, "--json", "--quiet")
+    assert code == 3 and "the self-check failed" in err
+    assert json.loads(out)["self_check"]["passed"] is False
+
+    code, out, err = _cli(monkeypatch, capsys, rec, "--set", "no_such_rule=1")
+    assert code == 1 and "unknown rule 'no_such_rule'" in err and "Traceback" not in err
+
+
+def test_progress_is_reported_per_stage_up_to_the_total() -> None:
+    log, rec = loop_log()
+    seen: list[tuple[str, int, int]] = []
+    whatif(rec, {"loop_min_repeats": 15}, settings=log.settings,
+           progress=lambda stage, done, total: seen.append((stage, done, total)))
+    finished = [(s, d) for s, d, t in seen if d == t]
+    assert [s for s, _ in finished] == ["recorded rules: watchdog", "recorded rules: scheduler",
+                                        "changed rules: watchdog", "changed rules: scheduler"]
