@@ -23,7 +23,8 @@ moment depends on everything before it); --task, --sandbox, --from and --to choo
 self-check and the diff report. Nothing is written to Kafka.
 
 rules: watchdog.<setting> and scheduler.<setting> (see --list-rules); a bare name works
-when only one processor has it; *_ms rules also take 90s, 15m, 2h.
+when only one processor has it; *_ms rules also take 90s, 15m, 2h. A task's
+watchdog.per_task overrides still win for that task (change them with --rules FILE).
 """
 
 EPILOG = """\

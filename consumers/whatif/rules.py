@@ -11,6 +11,9 @@ Values are checked by the settings models themselves (and the watchdog's own rul
 what-if run never runs a core with a configuration the live worker would refuse. ``*_ms``
 rules also take a duration: ``90s``, ``15m``, ``2h``.
 
+A task's ``watchdog.per_task`` overrides keep winning over a changed base rule for that task
+(as they do live); change them with ``--rules FILE`` (``{"watchdog": {"per_task": {...}}}``).
+
 The reorder stage's rules (``replay.*``) are not what-if rules: the watchdog is re-run over the
 recorded replay topics, which the live reorder stage wrote with the recorded rules.
 """
