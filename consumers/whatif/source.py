@@ -11,6 +11,9 @@ tests and notebooks can build one directly.
 sandbox's lease or placement depends on the fleet), and a core's state at the start of a time
 range depends on everything before it, so the cores always run over the whole retained log;
 the filter selects which sandboxes, tasks and event times the self-check and the diff report.
+
+:func:`read_kafka_log` holds the whole retained input in memory (as ``replay explain`` does);
+the replay topics carry the trace chunks too, so this bounds the log a run can take.
 """
 
 from __future__ import annotations
