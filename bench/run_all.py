@@ -36,6 +36,8 @@ BENCHES: dict[str, tuple[str, list[str], list[str], bool]] = {
     "reorder": ("bench_reorder.py", [], ["--episodes", "5000", "--repeat", "1"], False),
     "watchdog": ("bench_watchdog.py", [], ["--sandboxes", "2000", "--repeat", "1"], False),
     "scheduler": ("bench_scheduler.py", [], ["--repeat", "1"], False),
+    # a what-if run (issue 40): the cores re-run over a synthetic recorded log, no broker
+    "whatif": ("bench_whatif.py", [], ["--sandboxes", "300", "--repeat", "1"], False),
     "archive": ("bench_archive.py", [], ["--events", "1000000", "--throughput-events",
                                          "200000", "--hour-events", "200000"], False),
     "archive_freshness": ("bench_archive_freshness.py", [], ["--minutes", "15"], False),

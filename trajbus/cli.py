@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "trajbus.archive.cli",
     "trajbus.consumers.operator.cli",
     "trajbus.consumers.operator.inspect_cli",
+    "trajbus.consumers.whatif.cli",
     "trajbus.demo",
 )
 
@@ -70,7 +71,7 @@ def _version() -> str:
 # went wrong themselves ("Kafka at ... did not answer", "no replay topic for task ..."). The
 # long-running services (worker, archive run, simulate, tail-traces, demo) keep the client's log.
 QUIET_CLIENT_LOG = frozenset({"topics", "replay", "status", "scheduler", "watchdog", "consume",
-                              "deadletters", "alerts"})
+                              "deadletters", "alerts", "whatif"})
 EXIT_BROKEN_PIPE = 141  # what a shell reports for a tool killed by SIGPIPE (`... | head`)
 
 

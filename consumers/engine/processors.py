@@ -531,6 +531,8 @@ class WatchdogProcessor(_Adapter):
 
     def _convert(self, results: list[Any], outs: list[OutRecord], rec: InRecord | None,
                  header: dict[str, Any]) -> None:
+        if not results:  # most events: nothing to convert (and no import to look up)
+            return
         from trajbus.consumers.watchdog.core import AlertOut, DecisionOut, to_model
 
         for r in results:

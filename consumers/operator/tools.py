@@ -76,11 +76,13 @@ __all__ = [
     "debug_replay_task",
     "entry_from_decoded",
     "explain",
+    "feed_processor",
     "fleet_status",
     "group_lag",
     "group_offsets",
     "merge_by_timestamp",
     "order_timeline",
+    "processor_inputs",
     "read_records",
     "read_sandbox_log",
     "republish",
@@ -787,24 +789,49 @@ def _reruns(settings: Settings, notes: list[str]) -> list[_Rerun]:
     return out
 
 
-def _run_adapter(run: _Rerun, parts: dict[TopicPartition, list[InRecord]],
-                 upto: dict[TopicPartition, int]) -> list[tuple[OutRecord, int]]:
-    """Feed one processor kind the merged log exactly as the runner would: one adapter for
-    every partition (global) or one per partition number (as ``Runner._slot`` does), only the
-    records below ``upto`` (the group's committed offsets: what the live group processed)."""
+def processor_inputs(input_topics: Sequence[str], pattern: str | None,
+                     parts: dict[TopicPartition, list[InRecord]],
+                     upto: dict[TopicPartition, int] | None = None
+                     ) -> dict[TopicPartition, list[InRecord]]:
+    """The partitions of ``parts`` a processor reads (its input topics and the topics matching
+    its pattern), cut to the records below ``upto`` (a group's committed offsets: what the
+    live group processed) when given."""
     mine = {tp: recs for tp, recs in parts.items()
-            if tp.topic in run.input_topics
-            or (run.pattern is not None and re.match(run.pattern, tp.topic))}
-    mine = {tp: [r for r in recs if r.offset < upto.get(tp, 0)] for tp, recs in mine.items()}
+            if tp.topic in input_topics or (pattern is not None and re.match(pattern, tp.topic))}
+    if upto is None:
+        return mine
+    return {tp: [r for r in recs if r.offset < upto.get(tp, 0)] for tp, recs in mine.items()}
+
+
+def feed_processor(factory: Callable[[], Any], global_state: bool,
+                   records: Iterable[InRecord],
+                   on_record: Callable[[int], None] | None = None
+                   ) -> list[tuple[OutRecord, int]]:
+    """Feed one processor kind a merged log exactly as the runner would: one adapter for every
+    partition (global) or one per partition number (as ``Runner._slot`` does). Returns each
+    output with the log time of the record that produced it. ``on_record(n)`` is called every
+    4096 records (progress)."""
     cores: dict[int, Any] = {}
     outs: list[tuple[OutRecord, int]] = []
-    for rec in merge_by_timestamp(mine, run.input_topics):
-        slot = 0 if run.global_state else rec.partition
+    n = 0
+    for rec in records:
+        slot = 0 if global_state else rec.partition
         core = cores.get(slot)
         if core is None:
-            core = cores[slot] = run.factory()
+            core = cores[slot] = factory()
         outs.extend((out, rec.timestamp_ms) for out in core.handle(rec))
+        n += 1
+        if on_record is not None and not n & 4095:
+            on_record(n)
     return outs
+
+
+def _run_adapter(run: _Rerun, parts: dict[TopicPartition, list[InRecord]],
+                 upto: dict[TopicPartition, int]) -> list[tuple[OutRecord, int]]:
+    """Feed one processor kind the merged log (:func:`merge_by_timestamp`) up to ``upto``."""
+    mine = processor_inputs(run.input_topics, run.pattern, parts, upto)
+    return feed_processor(run.factory, run.global_state,
+                          merge_by_timestamp(mine, run.input_topics))
 
 
 async def explain(settings: Settings, sandbox: str, *, timeout_s: float = 300.0) -> Explanation:
