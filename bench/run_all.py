@@ -8,8 +8,9 @@ each section of BENCHMARKS.md says when it ran and under which load.
 Starts its own Kafka broker (free port, temporary data directory) for the benchmarks that need
 one, so peers and trajbus are measured side by side on the same broker in the same run. Each
 benchmark writes a JSON file to bench/results/; this script turns them into BENCHMARKS.md with
-the machine, the date and the exact commands, followed by bench/ANALYSIS.md (the profiles
-behind the figures and the limits of the missed targets, written by hand) and every metric.
+the machine, the date and the targets table, then one line per section of bench/ANALYSIS.md
+(the profiles behind the figures and the limits of the missed targets, written by hand) linking
+to it, then one line per benchmark linking to its every metric in bench/results/NAME.md.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -188,20 +190,59 @@ def write_markdown(results: dict[str, Any], quick: bool) -> str:
         lines.append("")
     analysis = ROOT / "bench" / "ANALYSIS.md"
     if analysis.exists():  # the profiles and the limits, kept by hand next to the benchmarks
-        lines += [analysis.read_text().rstrip(), ""]
+        lines += ["## Analysis", "",
+                  "What limits each figure, A/B runs and profiles: "
+                  "[bench/ANALYSIS.md](bench/ANALYSIS.md), newest first where dated.", ""]
+        for title, gist in analysis_sections(analysis.read_text()):
+            lines.append(f"- [{title}](bench/ANALYSIS.md#{_anchor(title)}): {gist}")
+        lines.append("")
+    lines += ["## Every metric", "", "| benchmark | command | ran | all metrics |",
+              "| --- | --- | --- | --- |"]
+    for name, data in results.items():
+        if name.startswith("_"):
+            continue
+        ran = (f"{data['_ran_at']}, load {data.get('_load', '?')}"
+               if data.get("_ran_at") else "")
+        lines.append(f"| {name} | `{data.get('_command', '')}` ({data.get('_seconds', '?')} s) "
+                     f"| {ran} | [bench/results/{name}.md](bench/results/{name}.md) |")
+    lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def write_raw(results: dict[str, Any]) -> None:
+    """bench/results/NAME.md: every metric a benchmark reported, as a table."""
     for name, data in results.items():
         if name.startswith("_"):
             continue
         ran = (f" Ran {data['_ran_at']}, load average {data.get('_load', '?')} at its end."
                if data.get("_ran_at") else "")
-        lines += [f"## {name}", "", f"Command: `{data.get('_command', '')}` "
-                  f"({data.get('_seconds', '?')} s).{ran}", "", "| metric | value |",
-                  "| --- | --- |"]
+        lines = [f"# {name}", "", f"Command: `{data.get('_command', '')}` "
+                 f"({data.get('_seconds', '?')} s).{ran}", "", "| metric | value |",
+                 "| --- | --- |"]
         rows: list[tuple[str, str]] = []
         _flatten("", data, rows)
         lines += [f"| {k} | {v} |" for k, v in rows]
-        lines.append("")
-    return "\n".join(lines) + "\n"
+        (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
+def analysis_sections(text: str) -> list[tuple[str, str]]:
+    """(title, first sentence of its first prose paragraph, at most 240 characters) of each
+    ``## `` section."""
+    out: list[tuple[str, str]] = []
+    for block in re.split(r"^## ", text, flags=re.M)[1:]:
+        title, _, body = block.partition("\n")
+        para = next((p for p in re.split(r"\n\s*\n", body.strip())
+                     if p.strip() and not p.lstrip().startswith(("|", "```", "-", "#"))), "")
+        para = " ".join(para.split())
+        sentence = re.match(r"(.+?\.)(\s|$)", para)
+        gist = (sentence.group(1) if sentence else para).lstrip("> ")
+        out.append((title.strip(), gist[:240] + ("..." if len(gist) > 240 else "")))
+    return out
+
+
+def _anchor(title: str) -> str:
+    """GitHub's anchor for a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
 
 
 def _summary(name: str, data: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -224,8 +265,9 @@ def main() -> None:
     args = ap.parse_args()
     names = args.only or list(BENCHES)
     if args.render:
-        args.out.write_text(write_markdown(json.loads((RESULTS / "all.json").read_text()),
-                                           args.quick))
+        results = json.loads((RESULTS / "all.json").read_text())
+        args.out.write_text(write_markdown(results, args.quick))
+        write_raw(results)
         print(f"[bench] wrote {args.out}")
         return
     results = run(names, args.quick)
@@ -238,6 +280,7 @@ def main() -> None:
         results = {"_machine": results["_machine"], "_finished": results["_finished"],
                    **{n: results[n] for n in BENCHES if n in results}}
     args.out.write_text(write_markdown(results, args.quick))
+    write_raw(results)
     (RESULTS / "all.json").write_text(json.dumps(results, indent=2, default=str))
     print(f"[bench] wrote {args.out}")
 
