@@ -333,6 +333,7 @@ def _partition_order(records: list[InRecord], order: list[int]) -> list[InRecord
     return out
 
 
+@pytest.mark.timeout(600)  # CPU-bound: 60 examples take ~25 s on a quiet box, 120+ at load 13
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ticks=st.lists(st.tuples(st.integers(0, 10_000), st.integers(-5 * HOUR, 5 * HOUR)),
@@ -415,7 +416,9 @@ def test_live_replay_explain_and_watchdog_explain_agree_on_a_log_with_a_restart(
     async def sandbox_log(*_: Any, **__: Any) -> list[Any]:
         return entries
 
-    monkeypatch.setattr(tools, "read_sandbox_log", sandbox_log)
+    from trajbus.consumers.operator import watchdog_history
+
+    monkeypatch.setattr(watchdog_history, "read_sandbox_log", sandbox_log)
     [history] = asyncio.run(tools.watchdog_history(s, "sb-1"))
     [loop] = [d for d in live if d[:2] == ("alert", "LOOP")]
     fired = [mo for mo in history.moments if mo.what == "LOOP"]
