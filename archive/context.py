@@ -22,9 +22,11 @@ An episode's ``ending``:
   - ``recycle``: no ``EpisodeEnd``, and the sandbox went away with the episode open on its own
     (its lifecycle shows ``Drained`` or ``RECYCLED``, or the scheduler recycled it) -- the
     agent or its runtime crashed;
-  - ``drain`` / ``reclaim`` / ``terminate``: no ``EpisodeEnd``, and the scheduler had decided
-    ``DRAIN`` (failed liveness probes, trainer release), ``RECLAIM`` (missed heartbeats) or a
-    ``TERMINATE`` not about this episode for the sandbox.
+  - ``drain`` / ``reclaim`` / ``terminate``: no ``EpisodeEnd``, and the scheduler's first
+    decision that drained the sandbox was a ``DRAIN`` (failed liveness probes, trainer
+    release; not the DRAIN answering the sandbox's own DRAINING report, which is
+    ``recycle``), a ``RECLAIM`` (missed heartbeats) or a ``TERMINATE`` not about this
+    episode.
 
 * ``in_progress``: none of these yet: no end, and the sandbox has not been drained, recycled,
   reclaimed or terminated (sandboxes are one-shot: once gone, every open episode of theirs
@@ -76,15 +78,36 @@ class Terminate:
     causes: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """A scheduler decision that starts a sandbox's drain (DRAIN, RECLAIM, TERMINATE)."""
+
+    time_ms: int
+    kind: str  # "drain" | "reclaim" | "terminate"
+    causes: tuple[str, ...]
+    decision_id: str
+
+
 @dataclass
 class SandboxFacts:
     """What the archive knows of one sandbox's end and the decisions about it."""
 
     gone: bool = False  # Drained / RECYCLED seen, or the scheduler recycled it
-    cut_by: str | None = None  # "drain" | "reclaim" | "terminate": the scheduler's first cut
-    cut_time_ms: int | None = None
+    cuts: list[Cut] = field(default_factory=list)
+    own_ids: set[str] = field(default_factory=set)  # its own lifecycle reports' event ids
     terminates: list[Terminate] = field(default_factory=list)
     acks: dict[str, str] = field(default_factory=dict)  # decision id -> DONE | FAILED
+
+    def cut_by(self) -> str | None:
+        """What ended the sandbox if the scheduler did: the kind of its first drain-starting
+        decision, unless that was a DRAIN answering the sandbox's own DRAINING report (then
+        the sandbox went away on its own: None)."""
+        if not self.cuts:
+            return None
+        first = min(self.cuts, key=lambda c: (c.time_ms, c.decision_id))
+        if first.kind == "drain" and self.own_ids.intersection(first.causes):
+            return None
+        return first.kind
 
 
 @dataclass
@@ -120,6 +143,8 @@ def context_facts(stream: Iterable[Mapping[str, Any]],
 
     for row in stream:
         kind = row.get("kind")
+        if kind == "SandboxLifecycle" and row.get("event_id"):
+            sb(row).own_ids.add(str(row["event_id"]))
         if kind == "Drained" or (kind == "SandboxLifecycle" and row.get("state") == "RECYCLED"):
             sb(row).gone = True
         elif kind == "DecisionAck":
@@ -136,13 +161,14 @@ def context_facts(stream: Iterable[Mapping[str, Any]],
         f = sb(row)
         if kind in _GONE:
             f.gone = True
+        causes = tuple(str(c) for c in p.get("cause_event_ids") or ())
+        by = decided_by(row.get("producer_id"))
         cut = _CUTS.get(str(kind))
-        if cut is not None and (f.cut_time_ms is None or t < f.cut_time_ms):
-            f.cut_by, f.cut_time_ms = cut, t
+        if cut is not None and by != "watchdog":  # the watchdog asks; the scheduler cuts
+            f.cuts.append(Cut(t, cut, causes, str(row.get("event_id") or "")))
         if kind == "TERMINATE":
-            f.terminates.append(Terminate(
-                str(row.get("event_id") or ""), t, decided_by(row.get("producer_id")),
-                row.get("episode"), tuple(str(c) for c in p.get("cause_event_ids") or ())))
+            f.terminates.append(Terminate(str(row.get("event_id") or ""), t, by,
+                                          row.get("episode"), causes))
     return facts
 
 
@@ -173,8 +199,9 @@ def episode_ending(facts: ContextFacts, task: str, sandbox: str, episode: str,
         if outcome == "TRUNCATED":
             return Ending("truncated", "runtime")
         return Ending("complete")
-    if f is not None and f.cut_by is not None:
-        return Ending("truncated", f.cut_by)
+    cut = f.cut_by() if f is not None else None
+    if cut is not None:
+        return Ending("truncated", cut)
     if f is not None and f.gone:
         return Ending("truncated", "recycle")
     return Ending("in_progress")

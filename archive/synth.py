@@ -175,8 +175,10 @@ def context_fleet(task: str = "web-shop", t0_ms: int = 1_714_557_600_000,
                         sandbox=sandbox, episode=episode, seq=seq, event_time_ms=t,
                         producer_id=producer)
 
-    def life(sandbox: str, state: LifecycleState, t: int, reason: str = "") -> None:
-        f.events.append(SandboxLifecycle(header=hdr(sandbox, t), state=state, reason=reason))
+    def life(sandbox: str, state: LifecycleState, t: int, reason: str = "") -> str:
+        h = hdr(sandbox, t)
+        f.events.append(SandboxLifecycle(header=h, state=state, reason=reason))
+        return h.event_id
 
     def decide(sandbox: str, kind: DecisionKind, t: int, by: str, episode: str | None = None,
                causes: tuple[str, ...] = (), reason: str = "") -> str:
@@ -195,7 +197,9 @@ def context_fleet(task: str = "web-shop", t0_ms: int = 1_714_557_600_000,
 
     def ended(sb: str) -> None:
         t = max(e.header.event_time_ms for e in f.events if e.header.sandbox == sb) + 1_000
-        life(sb, LifecycleState.DRAINING, t, "recycle")
+        draining = life(sb, LifecycleState.DRAINING, t, "recycle")
+        if sb != "sb-loop":  # the scheduler answers the sandbox's own report with a DRAIN
+            decide(sb, DecisionKind.DRAIN, t + 1, "scheduler", causes=(draining,))
         f.events.append(Drained(header=hdr(sb, t + 10), complete=True))
         life(sb, LifecycleState.RECYCLED, t + 20)
 
@@ -225,7 +229,9 @@ def context_fleet(task: str = "web-shop", t0_ms: int = 1_714_557_600_000,
     crashed = episode_events(task, "sb-crash", "00001", t0_ms=t0_ms + 120_000)[:-3]
     f.events += crashed
     t = crashed[-1].header.event_time_ms + 1_000
-    life("sb-crash", LifecycleState.DRAINING, t, "recycle")
+    draining = life("sb-crash", LifecycleState.DRAINING, t, "recycle")
+    decide("sb-crash", DecisionKind.DRAIN, t + 1, "scheduler", causes=(draining,),
+           reason="sandbox reported DRAINING: recycle")
     f.events.append(Drained(header=hdr("sb-crash", t + 10), complete=True, final_seqs=[
         EpisodeFinalSeq(episode="00001", final_seq=crashed[-1].header.seq)]))
     life("sb-crash", LifecycleState.RECYCLED, t + 20)

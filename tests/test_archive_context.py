@@ -19,6 +19,7 @@ from trajbus.archive import layout
 from trajbus.archive.archiver import ArchiveShell
 from trajbus.archive.context import (
     ContextFacts,
+    Cut,
     SandboxFacts,
     Terminate,
     context_facts,
@@ -80,8 +81,17 @@ def test_the_schedulers_terminate_matches_through_the_alert_and_the_acked_one_wi
     ({}, False, None, ("in_progress", None)),
     ({"gone": True}, False, None, ("truncated", "recycle")),
     ({"gone": True}, True, "TERMINAL", ("complete", None)),
-    ({"cut_by": "reclaim", "cut_time_ms": 5}, False, None, ("truncated", "reclaim")),
-    ({"cut_by": "drain", "cut_time_ms": 5, "gone": True}, False, None, ("truncated", "drain")),
+    ({"cuts": [Cut(5, "reclaim", (), "d")]}, False, None, ("truncated", "reclaim")),
+    ({"cuts": [Cut(5, "drain", ("probe-1",), "d")], "gone": True}, False, None,
+     ("truncated", "drain")),
+    # the DRAIN answering the sandbox's own DRAINING report: it went away on its own
+    ({"cuts": [Cut(5, "drain", ("life-7",), "d")], "own_ids": {"life-7"}, "gone": True},
+     False, None, ("truncated", "recycle")),
+    # the first cut counts: a TERMINATE during a self-started drain does not
+    ({"cuts": [Cut(9, "terminate", ("a",), "t"), Cut(5, "drain", ("life-7",), "d")],
+      "own_ids": {"life-7"}, "gone": True}, False, None, ("truncated", "recycle")),
+    ({"cuts": [Cut(5, "terminate", ("a",), "t")], "gone": True}, False, None,
+     ("truncated", "terminate")),
 ])
 def test_endings_without_a_terminate(sandbox: dict[str, Any], has_end: bool,
                                      outcome: str | None, expected: tuple[str, str | None]
@@ -96,7 +106,7 @@ def test_facts_from_rows_see_recycles_cuts_terminates_and_acks() -> None:
         return {"task": "t", "sandbox": "s", "episode": None, "kind": kind,
                 "payload_json": json.dumps(p) if p else None, **kw}
 
-    stream = [row("SandboxLifecycle", state="ACTIVE"),
+    stream = [row("SandboxLifecycle", state="ACTIVE", event_id="l1"),
               row("DecisionAck", outcome="DONE", payload={"decision_event_id": "d2"})]
     decisions = [row("SchedulingDecision", event_id="d1", event_time_ms=9,
                      producer_id="trajbus.scheduler", payload={"decision": "RECLAIM"}),
@@ -107,7 +117,8 @@ def test_facts_from_rows_see_recycles_cuts_terminates_and_acks() -> None:
     f = context_facts(stream, decisions, alerts)
     sb = f.of("t", "s")
     assert sb is not None and not sb.gone
-    assert (sb.cut_by, sb.cut_time_ms, sb.acks) == ("terminate", 3, {"d2": "DONE"})
+    # the watchdog's TERMINATE asks; the scheduler's RECLAIM cut the sandbox
+    assert (sb.cut_by(), sb.own_ids, sb.acks) == ("reclaim", {"l1"}, {"d2": "DONE"})
     assert [d.decision_id for d in sb.terminates] == ["d2"]
     assert f.alert_episode == {"a1": ("s", "e1")}
     assert context_facts([row("SandboxLifecycle", state="RECYCLED")], [], []).of("t", "s") \
@@ -208,7 +219,7 @@ def test_context_of_an_episode_answers_outcome_decisions_alerts_and_dead_letters
     assert (crash.outcome["ending"], crash.outcome["truncated_by"]) == ("truncated", "recycle")
     assert crash.dead_letters.num_rows == 2
     summary = crash.summary()
-    assert [d["decision"] for d in summary["decisions"]] == ["PLACE", "RECYCLE_WITH_LOSS"]
+    assert [d["decision"] for d in summary["decisions"]] == ["PLACE", "DRAIN", "RECYCLE_WITH_LOSS"]
     json.dumps(summary)  # JSON-ready
     # the dead letters name episode 00001: not part of 00000's context
     assert reader.context("web-shop", "sb-crash", "00000").dead_letters.num_rows == 0
