@@ -276,7 +276,9 @@ class ArchiveShell:
                                              f.last_offset, conflicts=conflicts,
                                              area=self.areas.get(f.topic, "events"))
             out.batches.append(result)
-            if f.max_event_time_ms is not None and f.max_event_time_ms > self.newest_written_ms:
+            # freshness is the fleet's events': context records carry other clocks
+            if f.max_event_time_ms is not None and f.max_event_time_ms > self.newest_written_ms \
+                    and f.topic not in self.areas:
                 self.newest_written_ms = f.max_event_time_ms
             self.dedupe.flushed(f.topic, f.partition, f.last_offset, _index_refs(result))
 

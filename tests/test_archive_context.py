@@ -291,3 +291,28 @@ def test_compaction_and_retention_cover_the_context_areas(tmp_path: Path) -> Non
     assert {k.split("/", 1)[0] for k in doomed} >= {"decisions", "decisions_index", "alerts",
                                                     "dead_letters", "events", "index"}
     assert not any(store.list("decisions/")) and not any(store.list("decisions_index/"))
+
+
+def test_the_flush_rule_applies_to_the_context_and_freshness_counts_events_only(
+        tmp_path: Path) -> None:
+    """A decision is written once it is flush_after_ms old in the log's time, as an event is;
+    the freshness the archiver reports is that of the fleet's events (a dead letter is stamped
+    when it was refused, which says nothing about how fresh the archive is)."""
+    store = LocalStore(tmp_path / "archive")
+    f = context_fleet(t0_ms=T0)
+    sh = shell(store, tmp_path, flush_after_ms=30_000)
+    context = recs(DECISIONS, f.decisions[:1]) + recs(DEAD, f.dead_letters[:1])
+    for r in context:
+        r.timestamp = T0  # appended to the log together
+    step = sh.process(context)
+    assert step.batches == []
+    later = SimpleNamespace(topic=EVENTS, partition=0, offset=0, key=b"sb-run",
+                            value=f.events[0].encode(), timestamp=T0 + 31_000)
+    step = sh.process([later])
+    assert {b.topic for b in step.batches} == {DECISIONS, DEAD}
+    assert sorted(o.key.split("/", 1)[0] for b in step.batches for o in b.objects) == \
+        ["dead_letters", "decisions"]
+    assert sh.newest_written_ms == 0  # no event written yet
+    step = sh.flush_all()
+    assert sh.newest_written_ms == f.events[0].header.event_time_ms
+    sh.close()
