@@ -207,10 +207,12 @@ class ArchiveReader:
         return dataset.to_table(columns=columns, filter=filter)
 
     def lifecycle_rows(self, task: str | None = None, sandbox: str | None = None,
-                       manifest: Manifest | None = None) -> pa.Table:
+                       manifest: Manifest | None = None,
+                       payload_kinds: tuple[str, ...] = STREAM_KINDS) -> pa.Table:
         """The sandboxes' lifecycle rows (kinds ``SandboxLifecycle``, ``Drained``,
         ``DecisionAck``: their streams, ``episode`` null), through the index: only the row
-        groups holding lifecycle streams are read."""
+        groups holding lifecycle streams are read, and their (large) ``payload_json`` column
+        only where a row of ``payload_kinds`` is (null for the other rows)."""
         m = manifest or self.manifest()
         idx = self.index(task, manifest=m)
         mask = pc.is_null(idx.column("episode"))
@@ -221,26 +223,43 @@ class ArchiveReader:
         for r in idx.select(["object_key", "row_group_first", "row_group_last"]).to_pylist():
             by_object[r["object_key"]].update(range(r["row_group_first"],
                                                     r["row_group_last"] + 1))
+        cheap = [c for c in STREAM_COLUMNS if c != "payload_json"]
+        kinds, wanted = pa.array(STREAM_KINDS), pa.array(payload_kinds, pa.string())
         parts = []
         for key, groups in sorted(by_object.items()):
             with self.store.open_input(key) as f:
-                parts.append(pq.ParquetFile(f).read_row_groups(sorted(groups),
-                                                                columns=STREAM_COLUMNS))
+                pf = pq.ParquetFile(f)
+                have = set(pf.schema_arrow.names)  # an older archive schema: fewer columns
+                for g in sorted(groups):
+                    t = pf.read_row_group(g, columns=[c for c in cheap if c in have])
+                    for c in cheap:
+                        if c not in have:
+                            t = t.append_column(ARCHIVE_SCHEMA.field(c),
+                                                pa.nulls(t.num_rows, ARCHIVE_SCHEMA.field(c).type))
+                    mask = pc.and_(pc.is_null(t.column("episode")),
+                                   pc.is_in(t.column("kind"), kinds))
+                    if sandbox is not None:
+                        mask = pc.and_(mask, pc.equal(t.column("sandbox"), sandbox))
+                    if not pc.any(mask).as_py():
+                        continue
+                    need = pc.and_(mask, pc.is_in(t.column("kind"), wanted))
+                    if pc.any(need).as_py():
+                        payload = pf.read_row_group(g, columns=["payload_json"]).column(0)
+                        payload = pc.if_else(need, payload, pa.scalar(None, pa.string()))
+                    else:
+                        payload = pa.nulls(t.num_rows, pa.string())
+                    parts.append(t.append_column("payload_json", payload).filter(mask))
         if not parts:
             return ARCHIVE_SCHEMA.empty_table().select(STREAM_COLUMNS)
-        t = pa.concat_tables(parts)
-        mask = pc.and_(pc.is_null(t.column("episode")),
-                       pc.is_in(t.column("kind"), pa.array(STREAM_KINDS)))
-        if sandbox is not None:
-            mask = pc.and_(mask, pc.equal(t.column("sandbox"), sandbox))
-        return t.filter(mask).sort_by([("task", "ascending"), ("sandbox", "ascending"),
-                                       ("seq", "ascending")])
+        return pa.concat_tables([p.select(STREAM_COLUMNS) for p in parts]).sort_by(
+            [("task", "ascending"), ("sandbox", "ascending"), ("seq", "ascending")])
 
     def context_facts(self, task: str | None = None,
                       manifest: Manifest | None = None) -> ContextFacts:
         """What the episode outcomes are decided from (``context.context_facts``)."""
         m = manifest or self.manifest()
-        stream = self.lifecycle_rows(task, manifest=m).to_pylist()
+        stream = self.lifecycle_rows(task, manifest=m, payload_kinds=("DecisionAck",)
+                                     ).to_pylist()
         decisions = self.area("decisions", task, m, columns=STREAM_COLUMNS).to_pylist()
         alerts = self.area("alerts", task, m, columns=STREAM_COLUMNS).to_pylist()
         return context_facts(stream, decisions, alerts)
