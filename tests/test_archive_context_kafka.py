@@ -164,8 +164,9 @@ async def test_the_archive_alone_answers_outcomes_decisions_alerts_and_dead_lett
         if (e.sandbox, e.episode) in loops:
             assert got == ("terminated", None), (e, r)
             assert r["terminate_decision_id"] in terminates[(e.sandbox, e.episode)], (e, r)
-            if e.sandbox in manifest.terminate_acks:  # the runtime acted on this one
-                assert r["terminate_decision_id"] == manifest.terminate_acks[e.sandbox]
+            acked = manifest.terminate_acks.get(e.sandbox)
+            if acked in terminates[(e.sandbox, e.episode)]:  # the runtime acted on this one
+                assert r["terminate_decision_id"] == acked
                 assert (r["terminate_decided_by"], r["terminate_ack"]) == ("scheduler", "DONE")
         elif e.behaviour == "crash" and e.outcome == "TRUNCATED":
             assert got == ("truncated", "runtime"), (e, r)
