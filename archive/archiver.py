@@ -18,6 +18,14 @@ Structure: :class:`ArchiveShell` is the synchronous part (decode, spool, batcher
 Parquet writes, uploads); :func:`run_archiver` is the asyncio loop that polls Kafka, runs the
 shell in a single worker thread (keeping the event loop responsive for heartbeats), publishes
 dead letters, and commits.
+
+Beside the raw event topics the archiver reads the decision context (``Topics.context_areas``:
+scheduling decisions, watchdog alerts, dead letters) into its own data areas (``decisions/``,
+``alerts/``, ``dead_letters/``), with the same batches, keys, markers, commits and dedupe
+(there by event id). Its records carry a task (``_fleet`` / ``_unknown`` when they concern
+none), which partitions them like events; their sandbox need not be a sandbox id (a tenant's
+decision: ``tenant:<name>``). A record of the dead-letter topic the archiver cannot read is
+logged and counted (``ArchiverStats.unreadable_dead_letters``), never dead-lettered again.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
+import json
 import logging
 import os
 import re
@@ -36,7 +45,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from trajbus.archive.core import ArchiveBatcher, Flush
-from trajbus.archive.dedupe import Deduper, Verdict, content_digest, to_signed
+from trajbus.archive.dedupe import Deduper, Verdict, content_digest, event_identity, to_signed
 from trajbus.archive.rows import decode_as_written, decoded_to_row, row_nbytes
 from trajbus.archive.spool import Spool, clear_spool_dir
 from trajbus.archive.storage import ObjectStore, mark_archive, open_store
@@ -83,6 +92,7 @@ class Rejected:
 class StepResult:
     batches: list[BatchResult] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
+    unreadable_dead_letters: int = 0  # records of the dead-letter topic that do not decode
 
 
 @dataclass
@@ -93,6 +103,7 @@ class ArchiverStats:
     dead_letters_known: int = 0  # refused, but already on the dead-letter topic: not re-sent
     duplicates: int = 0  # re-sent copies not archived again
     conflicts: int = 0  # conflicting copies written to conflicts/, not events/
+    unreadable_dead_letters: int = 0  # dead-letter topic records skipped (not re-sent)
     batches: int = 0
     objects: int = 0
     committed: dict[str, int] = field(default_factory=dict)  # "topic:partition" -> offset
@@ -127,8 +138,12 @@ class ArchiveShell:
 
     def __init__(self, store: ObjectStore, cfg: ArchiveSettings, codec: Codec | None = None,
                  spool_dir: str | None = None, dedupe_max_keys: int = 2_000_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 areas: dict[str, str] | None = None) -> None:
+        """``areas``: the data area of each topic not archived into ``events``
+        (``Topics.context_areas``)."""
         self.store = store
+        self.areas = dict(areas or {})
         self.codec = codec or default_codec()
         self.batcher = ArchiveBatcher(cfg.target_object_bytes, cfg.max_open_ms,
                                       cfg.flush_after_ms)
@@ -144,7 +159,7 @@ class ArchiveShell:
         clear_spool_dir(self.spool_dir)
         self._spools: dict[tuple[str, int], Spool] = {}
         self._conflict_spools: dict[tuple[str, int], Spool] = {}
-        self.dedupe = Deduper(store, max_keys=dedupe_max_keys)
+        self.dedupe = Deduper(store, max_keys=dedupe_max_keys, areas=self.areas)
         self.watermark_ms: int | None = None
         self.newest_written_ms = 0  # the newest event time in a batch written (metrics)
         self.rows = 0
@@ -167,12 +182,15 @@ class ArchiveShell:
         batcher, dedupe = self.batcher, self.dedupe
         valid_names = self._valid_names
         log_ms = self.log_ms
+        areas = self.areas
         for rec in records:
             value = rec.value or b""
             topic, partition, offset = rec.topic, rec.partition, rec.offset
             log = getattr(rec, "timestamp", None)  # aiokafka: the record's Kafka timestamp
             if log is not None and (log_ms is None or log > log_ms):
                 log_ms = log
+            area = areas.get(topic, "events") if areas else "events"
+            reason: tuple[str, str] | None = None
             try:
                 decoded = decode_as_written(self.codec, value)
                 h = decoded.header
@@ -180,33 +198,43 @@ class ArchiveShell:
                     self._run(batcher.skip(topic, partition, offset, log), out)
                     continue
                 task, sandbox = h["task"], h["sandbox"]
-                if (task, sandbox) not in valid_names:
-                    validate_name("task", task)
-                    validate_name("sandbox", sandbox)
-                    if len(valid_names) >= 100_000:
-                        valid_names.clear()
-                    valid_names.add((task, sandbox))
+                if area != "events":
+                    task = context_task(task)
+                    ident = event_identity(str(h["event_id"]))
+                else:
+                    ident = int(h["seq"])
+                    if (task, sandbox) not in valid_names:
+                        validate_name("task", task)
+                        validate_name("sandbox", sandbox)
+                        if len(valid_names) >= 100_000:
+                            valid_names.clear()
+                        valid_names.add((task, sandbox))
+                t = int(h["event_time_ms"])
             except DecodeError as exc:
-                out.rejected.append(Rejected(topic, partition, offset, rec.key,
-                                             value, exc.reason_code, str(exc)))
-                self._run(batcher.skip(topic, partition, offset, log), out)
-                continue
+                reason = (exc.reason_code, str(exc))
             except (ValueError, KeyError, TypeError) as exc:
-                out.rejected.append(Rejected(topic, partition, offset, rec.key,
-                                             value, "invalid_header", f"{type(exc).__name__}: "
-                                             f"{exc}"))
+                reason = ("invalid_header", f"{type(exc).__name__}: {exc}")
+            if reason is not None:
+                if area == "dead_letters":  # never a dead letter of a dead letter
+                    out.unreadable_dead_letters += 1
+                    log_warning("%s:%d@%d: unreadable record of the dead-letter topic skipped "
+                                "(%s: %s)", topic, partition, offset, *reason)
+                else:
+                    out.rejected.append(Rejected(topic, partition, offset, rec.key, value,
+                                                 *reason))
                 self._run(batcher.skip(topic, partition, offset, log), out)
                 continue
-            t = int(h["event_time_ms"])
             digest = content_digest(value)
             verdict = dedupe.check(topic, partition, offset, task, sandbox, h.get("episode"),
-                                   int(h["seq"]), digest, t)
+                                   ident, digest, t)
             if verdict is Verdict.DUPLICATE:  # a re-sent copy: archived once already
                 self.duplicates += 1
                 self._run(batcher.skip(topic, partition, offset, log), out)
                 continue
             row = decoded_to_row(decoded, topic, partition, offset)
             row["event_digest"] = to_signed(digest)
+            if task != row["task"]:  # a context record naming an invalid task: kept aside
+                keep_original_task(row, task)
             if verdict is Verdict.CONFLICT:  # kept out of events/, written to conflicts/
                 self.conflicts += 1
                 self._spool(topic, partition, conflicts=True).append(row)
@@ -218,7 +246,9 @@ class ArchiveShell:
             flushes = batcher.add(topic, partition, offset, t, nbytes, log)
             if flushes:
                 self._run(flushes, out)
-            if self.watermark_ms is None or t > self.watermark_ms:
+            # the watermark is the fleet's event time: context records carry other clocks
+            # (a dead letter's is when it was refused), which must not close event batches
+            if area == "events" and (self.watermark_ms is None or t > self.watermark_ms):
                 self.watermark_ms = t
         if self.watermark_ms is not None:
             self._run(batcher.tick(self.watermark_ms), out)
@@ -243,9 +273,12 @@ class ArchiveShell:
             if cs is not None and cs.rows:
                 conflicts = cs.take(f.last_offset)
             result = self.writer.write_batch(table, f.topic, f.partition, f.first_offset,
-                                             f.last_offset, conflicts=conflicts)
+                                             f.last_offset, conflicts=conflicts,
+                                             area=self.areas.get(f.topic, "events"))
             out.batches.append(result)
-            if f.max_event_time_ms is not None and f.max_event_time_ms > self.newest_written_ms:
+            # freshness is the fleet's events': context records carry other clocks
+            if f.max_event_time_ms is not None and f.max_event_time_ms > self.newest_written_ms \
+                    and f.topic not in self.areas:
                 self.newest_written_ms = f.max_event_time_ms
             self.dedupe.flushed(f.topic, f.partition, f.last_offset, _index_refs(result))
 
@@ -292,6 +325,31 @@ class ArchiveShell:
     def close(self) -> None:
         """Stop the writer's threads (between batches nothing is pending)."""
         self.writer.close()
+
+
+def log_warning(msg: str, *args: Any) -> None:
+    log.warning(msg, *args)
+
+
+def keep_original_task(row: dict[str, Any], task: str) -> None:
+    """Archive ``row`` under ``task``; its original task goes to ``payload_json``
+    (``$header.task``, which ``rows.row_to_record`` restores)."""
+    payload = json.loads(row["payload_json"]) if row.get("payload_json") else {}
+    payload.setdefault("$header", {})["task"] = row["task"]
+    row["payload_json"] = json.dumps(payload, sort_keys=True, separators=(",", ":"),
+                                     default=str)
+    row["task"] = task
+
+
+def context_task(task: Any) -> str:
+    """The task a decision-context record is archived under: its own when it is a valid task
+    name (``_fleet`` for fleet-wide decisions), else ``_unknown`` (a dead letter of an event
+    whose task was itself invalid); such a record keeps its original header in
+    ``payload_json``."""
+    try:
+        return validate_name("task", task) if isinstance(task, str) else "_unknown"
+    except ValueError:
+        return "_unknown"
 
 
 def archiver_group(prefix: str, url: str) -> str:
@@ -389,7 +447,8 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
                        poll_timeout_ms: int = 500,
                        assignment_timeout_s: float = 60.0,
                        state: ArchiverState | None = None) -> ArchiverStats:
-    """Archive the raw event topics until ``stop_event`` is set (or, with ``until_idle``,
+    """Archive the raw event topics and the decision context (``Topics.archive_topics``)
+    until ``stop_event`` is set (or, with ``until_idle``,
     until every assigned partition is caught up with its end offset at start). On exit the
     open batches are flushed and committed.
 
@@ -406,7 +465,7 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
 
     cfg = settings.archive
     catalog = Topics(settings)
-    topics = topics or catalog.input_topics
+    topics = topics or catalog.archive_topics
     if store is None:
         store = await asyncio.to_thread(
             lambda: open_store(cfg.url, cfg.s3_endpoint_url, retry_s=cfg.store_retry_s))
@@ -416,7 +475,8 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
     dead = dead_letter or kafka_dead_letter(settings)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archiver")
     loop = asyncio.get_running_loop()
-    shell = await loop.run_in_executor(executor, lambda: ArchiveShell(store, cfg, codec))
+    shell = await loop.run_in_executor(
+        executor, lambda: ArchiveShell(store, cfg, codec, areas=catalog.context_areas))
     stats = ArchiverStats(group_id=group_id, destination=dest.url)
     st: ArchiverState = state or ArchiverState()
     newest_ms = [0]  # the newest archived (written and committed) event time
@@ -485,6 +545,7 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
                      len(pending), tp.topic, tp.partition)
 
     async def finish(step: StepResult) -> None:
+        stats.unreadable_dead_letters += step.unreadable_dead_letters
         for r in step.rejected:
             res = dead(r.topic, r.partition, r.offset, r.key, r.value, r.reason_code, r.reason)
             if inspect.isawaitable(res):

@@ -1,4 +1,5 @@
-"""``trajbus archive ...``: run the archiver, read episodes, SQL, compaction, retention.
+"""``trajbus archive ...``: run the archiver, read episodes and their decision context, SQL,
+compaction, retention.
 
 The lead wires :func:`register` into the main CLI::
 
@@ -19,11 +20,13 @@ import time
 from typing import Any
 
 ARCHIVE_HELP = """\
-The Parquet archive of every sandbox event and trace chunk.
+The Parquet archive of every sandbox event and trace chunk, and of the decision context:
+scheduling decisions (the scheduler's and the watchdog's), watchdog alerts, dead letters.
 
 Layout (local directory or s3://bucket/prefix, set TRAJBUS_ARCHIVE__URL):
   events/date=YYYY-MM-DD/hour=HH/task=T/<topic>-<partition>-<first>-<last>-hHH.parquet
   index/date=YYYY-MM-DD/task=T/<same name>   one row per (task, sandbox, episode, object)
+  decisions/, alerts/, dead_letters/ (same layout), with decisions_index/, alerts_index/, ...
 Rows are sorted by (sandbox, episode, seq) inside each object. Every kind of event shares one
 schema: header columns, typed columns (tool, status, state, outcome, ...), payload_json for
 the rest, data for trace chunk bytes, and the Kafka source position. `archive run` writes a
@@ -37,6 +40,8 @@ Examples:
   trajbus archive episode --task web --sandbox sb-17 --episode ep-3 --trace-out ep3.trace
   trajbus archive sql "SELECT tool, count(*) FROM events WHERE task='web' GROUP BY tool"
   trajbus archive sql "SELECT * FROM episodes WHERE completeness <> 'complete'"
+  trajbus archive sql "SELECT ending, truncated_by, count(*) FROM episodes GROUP BY ALL"
+  trajbus archive context --task web --sandbox sb-17 --episode ep-3
   trajbus archive compact --dry-run
   trajbus archive retention --days 90 --dry-run
 """
@@ -53,8 +58,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    "default TRAJBUS_ARCHIVE__S3_ENDPOINT_URL")
     sub = p.add_subparsers(dest="archive_cmd", required=True, metavar="COMMAND")
 
-    r = sub.add_parser("run", help="consume the raw event topics into the archive",
-                       description="Consume sandbox events and trace chunks (one consumer "
+    r = sub.add_parser("run", help="consume the raw event topics and the decision context "
+                       "into the archive",
+                       description="Consume sandbox events and trace chunks, and the decision "
+                       "context (scheduling decisions, watchdog alerts, dead letters) into "
+                       "decisions/, alerts/, dead_letters/ (one consumer "
                        "group per destination, see --group), write Parquet objects + index, and "
                        "commit offsets only after the objects are durable. Stops on "
                        "SIGINT/SIGTERM after "
@@ -86,9 +94,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     e.set_defaults(archive_func=_cmd_episode)
 
     s = sub.add_parser("sql", help="run SQL with DuckDB over the archive",
-                       description="DuckDB with two views: 'events' (every archived event, plus "
-                       "date and hour) and 'episodes' (the index: one row per task, sandbox, "
-                       "episode and object, with seq range, counts, completeness). Filter on "
+                       description="DuckDB with views: 'events' (every archived event, plus "
+                       "date and hour); 'episodes' (one row per episode: seq range, counts, "
+                       "completeness, and its ending: complete / truncated / terminated / "
+                       "in_progress, truncated_by, terminate_decision_id); 'episode_objects' "
+                       "(the index: one row per task, sandbox, episode and object); "
+                       "'conflicts' (conflicting copies); the decision context: 'decisions' "
+                       "(with decided_by: scheduler / watchdog), 'alerts', 'dead_letters', "
+                       "'decision_acks' (the sandbox runtime's answers to decisions) and "
+                       "'lifecycle' (sandbox state changes and drain reports). Filter on "
                        "task, date, sandbox and episode to let row-group statistics prune.")
     s.add_argument("query", help='e.g. "SELECT kind, count(*) FROM events GROUP BY kind"')
     s.add_argument("--json", action="store_true", help="JSON lines output")
@@ -97,8 +111,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     ep = sub.add_parser("episodes", help="the episode table: one row per episode",
                         description="One row per (task, sandbox, episode) across topics and "
                         "objects: seq range, event count, start/end time, outcome, "
-                        "completeness (complete / truncated / has_gaps / in_progress) and the "
-                        "gap ranges. Printed as JSON lines, written to --out, or published into "
+                        "completeness (complete / truncated / has_gaps / in_progress), the "
+                        "gap ranges and the ending (complete / truncated / terminated / "
+                        "in_progress, truncated_by, terminate_decision_id). Printed as JSON "
+                        "lines, written to --out, or published into "
                         "the archive as plain Parquet (episodes/episodes.parquet) with "
                         "--publish. `trajbus archive sql` has it as the view 'episodes'.")
     ep.add_argument("--task", help="only this task")
@@ -107,8 +123,22 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                     help="write it to episodes/episodes.parquet in the archive")
     ep.set_defaults(archive_func=_cmd_episodes)
 
+    x = sub.add_parser("context", help="one episode's decision context: outcome, decisions, "
+                       "alerts, dead letters, acks, lifecycle",
+                       description="How an episode ended and why, from the archive alone: its "
+                       "ending (complete / truncated / terminated / in_progress) and "
+                       "truncated_by / terminate_decision_id, the decisions about it or its "
+                       "sandbox (with who decided: scheduler or watchdog), the watchdog's "
+                       "alerts, its dead letters, the runtime's acknowledgements and the "
+                       "sandbox's lifecycle. Without --episode: the sandbox's.")
+    x.add_argument("--task", required=True, help="the episode's task")
+    x.add_argument("--sandbox", required=True, help="sandbox id")
+    x.add_argument("--episode", help="episode id; omit for the whole sandbox")
+    x.set_defaults(archive_func=_cmd_context)
+
     c = sub.add_parser("compact", help="merge small objects; swap them in atomically",
-                       description="Merge small objects of each (date, hour, task) into large "
+                       description="Merge small objects of each (area, date, hour, task) "
+                       "(events/ and the decision context's areas) into large "
                        "ones, then switch the manifest pointer in one write: readers see the old "
                        "set or the new set, never both. Replaced objects are deleted by a later "
                        "run once --grace-seconds have passed.")
@@ -266,9 +296,11 @@ def _cmd_sql(args: argparse.Namespace) -> int:
         except duckdb.Error as exc:  # the user's SQL: DuckDB's own message, and what is there
             print(f"error: {exc}", file=sys.stderr)
             print("hint: the views are 'events' (one row per archived event), 'episodes' "
-                  "(one row per episode), 'episode_objects' (the per-object index) and "
-                  "'conflicts' (conflicting copies); `trajbus archive sql \"DESCRIBE events\"` "
-                  "lists the columns", file=sys.stderr)
+                  "(one row per episode, with its ending), 'episode_objects' (the per-object "
+                  "index), 'conflicts' (conflicting copies), and the decision context: "
+                  "'decisions', 'alerts', 'dead_letters', 'decision_acks', 'lifecycle'; "
+                  "`trajbus archive sql \"DESCRIBE events\"` lists the columns",
+                  file=sys.stderr)
             return 1
     if args.json:
         for row in rows:
@@ -278,6 +310,18 @@ def _cmd_sql(args: argparse.Namespace) -> int:
         print("\t".join(cols))
         for row in rows:
             print("\t".join("" if v is None else str(_jsonable(v)) for v in row))
+    return 0
+
+
+def _cmd_context(args: argparse.Namespace) -> int:
+    from trajbus.archive.query import ArchiveReader
+
+    ctx = ArchiveReader(_store(args)).context(args.task, args.sandbox, args.episode)
+    if args.episode is not None and ctx.outcome is None:
+        print(f"error: no episode {args.episode!r} of sandbox {args.sandbox!r} in task "
+              f"{args.task!r} in the archive", file=sys.stderr)
+        return 1
+    print(json.dumps(ctx.summary(), indent=2, default=str))
     return 0
 
 

@@ -29,6 +29,12 @@ yet flushed (:meth:`Deduper.assigned` sets it to the committed offset) belong to
 that was not committed and will be overwritten by its replay, so they are ignored. Decisions
 for a replayed batch therefore depend only on the rows before it, as they did the first time.
 
+The decision context (decisions, alerts, dead letters: topics archived into other data areas,
+``areas``) has no per-episode sequence: there an event is identified by
+``(kafka_topic, task, sandbox, episode, event_id)`` (:func:`event_identity` stands in for the
+seq; the processors derive event ids deterministically, so a re-published output has the same
+id), looked up through that area's own index.
+
 Not covered (documented in archive/README.md): two copies of one event on *different*
 partitions (only if a topic's partition count changed, or a record was re-keyed) archived by
 two archiver processes at the same moment.
@@ -40,6 +46,7 @@ import functools
 import hashlib
 import logging
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
@@ -64,6 +71,13 @@ def content_digest(raw: bytes) -> int:
     worker compares (``trajbus.consumers.replay.core.content_digest``)."""
     d = int.from_bytes(hashlib.blake2b(raw, digest_size=DIGEST_SIZE).digest(), "little")
     return d or 1
+
+
+def event_identity(event_id: str) -> int:
+    """What identifies a decision-context record within its (task, sandbox, episode) in place
+    of a seq: blake2b-64 of its event id (a 64-bit collision between two ids of one sandbox's
+    context is ignored)."""
+    return int.from_bytes(hashlib.blake2b(event_id.encode(), digest_size=8).digest(), "little")
 
 
 def to_signed(digest: int) -> int:
@@ -106,16 +120,20 @@ class Deduper:
     """First-copy-wins decisions per (topic, partition). Not thread-safe (the shell's thread)."""
 
     def __init__(self, store: ObjectStore, *, max_keys: int = 2_000_000,
-                 index_cache_entries: int = 64) -> None:
+                 index_cache_entries: int = 64,
+                 areas: Mapping[str, str] | None = None) -> None:
+        """``areas``: the data area of each topic archived outside ``events`` (a topic not
+        named is in ``events``); their records are identified by event id."""
         self.store = store
+        self.areas = dict(areas or {})
         self.max_keys = max_keys
         self.index_cache_entries = index_cache_entries
         self._eps: OrderedDict[tuple[str, int, str, str, str | None], _Episode] = OrderedDict()
         self._keys = 0  # seqs held by unpinned episodes... and pinned ones (all cached seqs)
         self._pinned: dict[TP, dict[tuple[str, int, str, str, str | None], _Episode]] = {}
         self._boundary: dict[TP, int] = {}  # first offset not yet flushed, per partition
-        self._index: OrderedDict[tuple[str, str], dict[tuple[str, str | None], list[Ref]]] = \
-            OrderedDict()
+        self._index: OrderedDict[tuple[str, str, str],
+                                 dict[tuple[str, str | None], list[Ref]]] = OrderedDict()
         self.stats = DedupeStats()
         self._evict_blocked = False  # everything left is pinned: retry after the next flush
 
@@ -145,8 +163,9 @@ class Deduper:
         if pinned:
             for k in [k for k, ep in pinned.items() if ep.pinned_upto <= last_offset]:
                 pinned.pop(k).pinned_upto = -1
+        area = self.areas.get(topic, "events")
         for date, task, sandbox, episode, ref in index_refs:
-            cached = self._index.get((date, task))
+            cached = self._index.get((area, date, task))
             if cached is not None:
                 cached.setdefault((sandbox, episode), []).append(ref)
             # the rows are in memory already: do not read them back
@@ -205,6 +224,7 @@ class Deduper:
         """Merge the archived rows of the episode found in the index of ``day`` and the days
         either side (a conflicting copy may carry another event time)."""
         topic, partition, task, sandbox, episode = k
+        area = self.areas.get(topic, "events")
         boundary = self._boundary.get((topic, partition), 1 << 62)
         loaded = False
         for d in (day - 1, day, day + 1):
@@ -212,16 +232,18 @@ class Deduper:
                 continue
             for attempt in range(2):
                 try:
-                    refs = self._index_refs(day_name(d), task).get((sandbox, episode), [])
+                    refs = self._index_refs(area, day_name(d), task).get((sandbox, episode),
+                                                                          [])
                     for ref in refs:
                         if ref not in ep.refs:
-                            self._read_ref(ep, ref, topic, partition, boundary, sandbox, episode)
+                            self._read_ref(ep, ref, topic, partition, boundary, sandbox, episode,
+                                           by_event_id=area != "events")
                             ep.refs.add(ref)
                             loaded = True
                     break
                 except (FileNotFoundError, ObjectNotFoundError):
                     # compacted away under us: the index summary is stale, reload it once
-                    self._index.pop((day_name(d), task), None)
+                    self._index.pop((area, day_name(d), task), None)
                     if attempt == 1:
                         raise
             ep.days.add(d)
@@ -229,12 +251,13 @@ class Deduper:
             self.stats.loads += 1
 
     def _read_ref(self, ep: _Episode, ref: Ref, topic: str, partition: int, boundary: int,
-                  sandbox: str, episode: str | None) -> None:
+                  sandbox: str, episode: str | None, by_event_id: bool = False) -> None:
         key, lo, hi = ref
         with self.store.open_input(key) as f:
             pf = pq.ParquetFile(f)
             names = set(pf.schema_arrow.names)
-            cols = [c for c in ("sandbox", "episode", "seq", "event_digest", "kafka_topic",
+            cols = [c for c in ("sandbox", "episode", "seq", "event_id", "event_digest",
+                                "kafka_topic",
                                 "kafka_partition", "kafka_offset") if c in names]
             t = pf.read_row_groups(list(range(lo, hi + 1)), columns=cols)
         mask = pc.equal(t.column("sandbox"), sandbox)
@@ -244,7 +267,9 @@ class Deduper:
         t = t.filter(mask)
         digests = (t.column("event_digest").to_pylist() if "event_digest" in names
                    else [None] * t.num_rows)
-        for seq, dg, top, part, off in zip(t.column("seq").to_pylist(), digests,
+        idents = ([event_identity(e or "") for e in t.column("event_id").to_pylist()]
+                  if by_event_id else t.column("seq").to_pylist())
+        for seq, dg, top, part, off in zip(idents, digests,
                                            t.column("kafka_topic").to_pylist(),
                                            t.column("kafka_partition").to_pylist(),
                                            t.column("kafka_offset").to_pylist(), strict=True):
@@ -256,16 +281,18 @@ class Deduper:
                 ep.seqs[seq] = 0 if dg is None else from_signed(dg)
                 self._keys += 1
 
-    def _index_refs(self, date: str, task: str) -> dict[tuple[str, str | None], list[Ref]]:
-        key = (date, task)
+    def _index_refs(self, area: str, date: str, task: str
+                    ) -> dict[tuple[str, str | None], list[Ref]]:
+        key = (area, date, task)
         cached = self._index.get(key)
         if cached is not None:
             self._index.move_to_end(key)
             return cached
         out: dict[tuple[str, str | None], list[Ref]] = {}
-        for info in self.store.list(f"{layout.INDEX}date={date}/task={task}/"):
+        index_area = layout.index_area(area)
+        for info in self.store.list(f"{index_area}/date={date}/task={task}/"):
             p = layout.parse_object_key(info.key)
-            if p is None or p.area != "index":
+            if p is None or p.area != index_area:
                 continue
             try:
                 with self.store.open_input(info.key) as f:

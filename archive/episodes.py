@@ -12,7 +12,12 @@ episode and object, with the object's ``seq_runs``), so it never reads event dat
 * ``completeness``: ``has_gaps`` if any seq is missing (whatever else is known), else
   ``truncated`` (ended TRUNCATED), ``complete`` (ended TERMINAL) or ``in_progress`` (no
   EpisodeEnd archived yet: still running, or the sandbox was recycled without one);
-* ``topics``: the raw topics its events came from; ``objects``: data objects holding them.
+* ``topics``: the raw topics its events came from; ``objects``: data objects holding them;
+* ``ending`` (complete / truncated / terminated / in_progress), ``truncated_by`` (runtime /
+  recycle / drain / reclaim / terminate), ``terminate_decision_id``, ``terminate_decided_by``
+  (scheduler / watchdog), ``terminate_ack`` (DONE / FAILED): how the episode ended, from the
+  decision context and the sandbox's lifecycle (rules: :mod:`~trajbus.archive.context`).
+  Without that context (``facts=None``) only the episode's own EpisodeEnd counts.
 
 Sandbox lifecycle streams (``episode`` null) are not episodes and are not in the table.
 :func:`publish_episodes` writes it as plain Parquet to ``episodes/episodes.parquet``.
@@ -29,6 +34,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trajbus.archive.context import ContextFacts, episode_ending
 from trajbus.archive.index import SEQ_RANGE
 from trajbus.archive.storage import ObjectStore
 
@@ -56,7 +62,12 @@ EPISODES_SCHEMA = pa.schema([
     ("has_end", pa.bool_()),
     ("topics", pa.list_(pa.string())),
     ("objects", pa.int32()),
-], metadata={b"trajbus.archive.episodes": b"1"})
+    ("ending", pa.string()),
+    ("truncated_by", pa.string()),
+    ("terminate_decision_id", pa.string()),
+    ("terminate_decided_by", pa.string()),
+    ("terminate_ack", pa.string()),
+], metadata={b"trajbus.archive.episodes": b"2"})
 
 
 def merge_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -86,8 +97,10 @@ def gaps_of(covered: list[tuple[int, int]], upper: int) -> list[tuple[int, int]]
     return gaps
 
 
-def build_episodes(index: pa.Table) -> pa.Table:
-    """The episode table from index rows (of live objects only, or events count twice)."""
+def build_episodes(index: pa.Table, facts: ContextFacts | None = None) -> pa.Table:
+    """The episode table from index rows (of live objects only, or events count twice) and
+    the decision context (:func:`~trajbus.archive.context.context_facts`)."""
+    facts = facts or ContextFacts()
     cols = ["task", "sandbox", "episode", "object_key", "first_seq", "last_seq", "end_seq",
             "seq_runs", "start_time_ms", "end_time_ms", "outcome", "kafka_topic"]
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
@@ -127,6 +140,11 @@ def build_episodes(index: pa.Table) -> pa.Table:
             "topics": sorted({r["kafka_topic"] for r in rows if r["kafka_topic"]}),
             "objects": len({r["object_key"] for r in rows}),
         }
+        ending = episode_ending(facts, task, sandbox, episode, has_end, values["outcome"])
+        values.update(ending=ending.ending, truncated_by=ending.truncated_by,
+                      terminate_decision_id=ending.terminate_decision_id,
+                      terminate_decided_by=ending.terminate_decided_by,
+                      terminate_ack=ending.terminate_ack)
         for k, v in values.items():
             out[k].append(v)
     return pa.table({f.name: pa.array(out[f.name], f.type) for f in EPISODES_SCHEMA},

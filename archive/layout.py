@@ -7,6 +7,8 @@
     events/.../compacted-gGGGGGGGG-hHH-NNNN.parquet     (compaction output, see manifest.py)
     _manifest/CURRENT, _manifest/g-GGGGGGGG.json      (the compaction pointer)
     conflicts/date=YYYY-MM-DD/hour=HH/task=T/<same name as events>  (conflicting copies)
+    decisions/..., alerts/..., dead_letters/...         (the decision context, same layout)
+    decisions_index/..., alerts_index/..., dead_letters_index/...  (their index, as index/)
     _batches/<topic>-<partition>/<first>-<last>.json    (batches being written, not committed)
 
 * Directories are partitioned by low-cardinality values only (date, hour, task); sandbox and
@@ -17,6 +19,10 @@
   group of its rows; the name carries the batch's offset range plus the hour, so the same batch
   always maps to the same keys (re-uploading after a crash overwrites, never duplicates).
 * Date and hour are UTC, from the event time (not the wall clock).
+* The decision context (scheduling decisions, watchdog alerts, dead letters) is archived by
+  the same machinery into its own *data areas* (:data:`DATA_AREAS`), each with the layout of
+  ``events/`` and its own index area (:func:`index_area`), so the episode index of ``index/``
+  holds sandbox events only.
 """
 
 from __future__ import annotations
@@ -32,6 +38,22 @@ INDEX = "index/"
 CONFLICTS = "conflicts/"
 MANIFEST_DIR = "_manifest/"
 BATCHES = "_batches/"
+
+DATA_AREAS: tuple[str, ...] = ("events", "decisions", "alerts", "dead_letters")
+"""Areas holding archived rows (``<area>/date=D/hour=H/task=T/<name>``)."""
+CONTEXT_AREAS: tuple[str, ...] = DATA_AREAS[1:]
+"""The decision context: the processors' outputs archived beside ``events/``."""
+
+
+def index_area(area: str) -> str:
+    """The index area of a data area: ``index`` for events, ``<area>_index`` otherwise."""
+    if area not in DATA_AREAS:
+        raise ValueError(f"unknown archive area {area!r} (one of {', '.join(DATA_AREAS)})")
+    return "index" if area == "events" else f"{area}_index"
+
+
+_DATA_OF_INDEX = {index_area(a): a for a in DATA_AREAS}
+INDEX_AREAS: tuple[str, ...] = tuple(_DATA_OF_INDEX)
 
 _BATCH_NAME = re.compile(
     r"^(?P<topic>[A-Za-z0-9._-]+)-(?P<partition>\d+)-(?P<first>\d{20})-(?P<last>\d{20})"
@@ -56,8 +78,14 @@ def compacted_object_name(generation: int, hour: str, n: int) -> str:
 
 
 def events_key(date: str, hour: str, task: str, name: str) -> str:
+    return data_key("events", date, hour, task, name)
+
+
+def data_key(area: str, date: str, hour: str, task: str, name: str) -> str:
+    """The key of a data object of ``area`` (one of :data:`DATA_AREAS`)."""
     _check_date_hour(date, hour)
-    return f"{EVENTS}date={date}/hour={hour}/task={validate_name('task', task)}/{name}"
+    index_area(area)
+    return f"{area}/date={date}/hour={hour}/task={validate_name('task', task)}/{name}"
 
 
 def conflicts_key(date: str, hour: str, task: str, name: str) -> str:
@@ -66,9 +94,10 @@ def conflicts_key(date: str, hour: str, task: str, name: str) -> str:
     return f"{CONFLICTS}date={date}/hour={hour}/task={validate_name('task', task)}/{name}"
 
 
-def index_key(date: str, task: str, name: str) -> str:
+def index_key(date: str, task: str, name: str, area: str = "events") -> str:
+    """The key of the index file of the data object ``name`` of ``area``."""
     _check_date_hour(date, "00")
-    return f"{INDEX}date={date}/task={validate_name('task', task)}/{name}"
+    return f"{index_area(area)}/date={date}/task={validate_name('task', task)}/{name}"
 
 
 def batch_marker_key(topic: str, partition: int, first: int, last: int) -> str:
@@ -109,10 +138,11 @@ def _check_date_hour(date: str, hour: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ObjectPath:
-    """The parsed key of a data (``events/``) or index (``index/``) object."""
+    """The parsed key of a data object (``events/``, a context area, ``conflicts/``) or of an
+    index file (``index/``, ``<area>_index/``)."""
 
     key: str
-    area: str  # "events", "index" or "conflicts"
+    area: str  # a data area, "conflicts", or an index area
     date: str
     hour: str
     task: str
@@ -120,24 +150,39 @@ class ObjectPath:
     compacted_generation: int | None  # None for archiver objects
 
     @property
+    def data_area(self) -> str:
+        """The data area this object belongs to (itself, or the one an index file indexes)."""
+        return _DATA_OF_INDEX.get(self.area, self.area)
+
+    @property
+    def data_key(self) -> str:
+        """The key of the data object (for an index file: the object it indexes)."""
+        if self.data_area == "conflicts":
+            return conflicts_key(self.date, self.hour, self.task, self.name)
+        return data_key(self.data_area, self.date, self.hour, self.task, self.name)
+
+    @property
     def events_key(self) -> str:
-        return events_key(self.date, self.hour, self.task, self.name)
+        """:attr:`data_key` (the name from when ``events/`` was the only data area)."""
+        return self.data_key
 
     @property
     def index_key(self) -> str:
-        return index_key(self.date, self.task, self.name)
+        """The key of the index file of this data object (conflicts have none: ``index/``)."""
+        area = "events" if self.data_area == "conflicts" else self.data_area
+        return index_key(self.date, self.task, self.name, area)
 
 
 def parse_object_key(key: str) -> ObjectPath | None:
-    """Parse an ``events/``, ``conflicts/`` or ``index/`` key; None for anything else."""
+    """Parse a data, ``conflicts/`` or index key; None for anything else."""
     parts = key.split("/")
     try:
-        if parts[0] in ("events", "conflicts") and len(parts) == 5:
+        if (parts[0] in DATA_AREAS or parts[0] == "conflicts") and len(parts) == 5:
             date, hour, task = (p.split("=", 1)[1] for p in parts[1:4])
             keys = [p.split("=", 1)[0] for p in parts[1:4]]
             if keys != ["date", "hour", "task"]:
                 return None
-        elif parts[0] == "index" and len(parts) == 4:
+        elif parts[0] in _DATA_OF_INDEX and len(parts) == 4:
             if not (parts[1].startswith("date=") and parts[2].startswith("task=")):
                 return None
             date, task, hour = parts[1][5:], parts[2][5:], ""

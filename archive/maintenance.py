@@ -6,7 +6,9 @@ groups by (date, hour, task), not (date, task): an object must not span hours, o
 ``hour=HH`` directory (which DuckDB/Spark/Polars read as a column with hive partitioning)
 would lie about some of its rows. With the archiver's per-batch split, the small-object case
 is "many tasks × many batches per hour", which this merges; per hour and task the result is a
-handful of large objects.
+handful of large objects. Every data area is compacted the same way (``events/`` and the
+decision context: ``decisions/``, ``alerts/``, ``dead_letters/``), each object with its index
+in its own index area.
 
 Inputs are bundled greedily up to ``target_bytes`` of *compressed* input; one bundle is read
 into memory, sorted and written as one object, so memory is bounded by one output object.
@@ -50,7 +52,7 @@ def compact(store: ObjectStore, *, target_bytes: int = 64 * 1024 * 1024,
             grace_ms: int = 3600 * 1000, row_group_rows: int = 50_000,
             now_ms: int | None = None, dry_run: bool = False,
             task: str | None = None) -> CompactionReport:
-    """Merge small objects (< ``small_fraction * target_bytes``) per (date, hour, task).
+    """Merge small objects (< ``small_fraction * target_bytes``) per (area, date, hour, task).
 
     Only hours that ended at least ``min_age_ms`` before ``now_ms`` are touched (recent hours
     still receive objects, including re-uploads of uncommitted batches). Objects superseded
@@ -62,9 +64,8 @@ def compact(store: ObjectStore, *, target_bytes: int = 64 * 1024 * 1024,
     report = CompactionReport(generation=gen, dry_run=dry_run)
 
     # 1. Outputs of a compaction that never switched the pointer are invisible: remove them.
-    for area in ("events", "index"):
-        prefix = layout.EVENTS if area == "events" else layout.INDEX
-        for info in store.list(prefix):
+    for area in (*layout.DATA_AREAS, *layout.INDEX_AREAS):
+        for info in store.list(f"{area}/"):
             p = layout.parse_object_key(info.key)
             if p is not None and p.compacted_generation is not None \
                     and p.compacted_generation > manifest.generation:
@@ -89,9 +90,10 @@ def compact(store: ObjectStore, *, target_bytes: int = 64 * 1024 * 1024,
     # object, and a compacted copy of it would be a second copy). Markers are listed *after*
     # the objects: a marker is written before its objects and deleted after the commit, so an
     # object listed above whose marker is gone below is committed.
-    groups: dict[tuple[str, str, str], list[tuple[layout.ObjectPath, ObjectInfo]]] = \
+    groups: dict[tuple[str, str, str, str], list[tuple[layout.ObjectPath, ObjectInfo]]] = \
         defaultdict(list)
-    candidates = live_objects(store, manifest, "events", task=task)
+    candidates = [c for area in layout.DATA_AREAS
+                  for c in live_objects(store, manifest, area, task=task)]
     writing = {layout.parse_marker_key(m.key) for m in store.list(layout.BATCHES)}
     for p, info in candidates:
         if layout.batch_of(p.name) in writing:
@@ -101,10 +103,10 @@ def compact(store: ObjectStore, *, target_bytes: int = 64 * 1024 * 1024,
         if now - int(hour_end.timestamp() * 1000) < min_age_ms:
             continue
         if info.size < small_fraction * target_bytes:
-            groups[(p.date, p.hour, p.task)].append((p, info))
+            groups[(p.area, p.date, p.hour, p.task)].append((p, info))
     writer = ArchiveWriter(store, row_group_rows=row_group_rows)
     n_out = 0
-    for (date, hour, task_name), members in sorted(groups.items()):
+    for (area, date, hour, task_name), members in sorted(groups.items()):
         if len(members) < 2:
             continue
         report.groups += 1
@@ -121,7 +123,7 @@ def compact(store: ObjectStore, *, target_bytes: int = 64 * 1024 * 1024,
                 continue
             name = layout.compacted_object_name(gen, hour, n_out)
             n_out += 1
-            key = layout.events_key(date, hour, task_name, name)
+            key = layout.data_key(area, date, hour, task_name, name)
             report.inputs.extend(p.key for p, _ in bundle)
             report.outputs.append(key)
             if dry_run:
@@ -134,7 +136,8 @@ def compact(store: ObjectStore, *, target_bytes: int = 64 * 1024 * 1024,
                 tables.append(pq.read_table(data, schema=ARCHIVE_SCHEMA))
             merged = pa.concat_tables(tables)
             report.rows += merged.num_rows
-            writer.write_object(merged, key, layout.index_key(date, task_name, name), date, hour,
+            writer.write_object(merged, key, layout.index_key(date, task_name, name, area), date,
+                                hour,
                                 {"trajbus.compacted_generation": str(gen)})
     if dry_run or (not report.outputs and not report.purged):
         return report
@@ -168,13 +171,13 @@ def retention(store: ObjectStore, days: int, *, now_ms: int | None = None,
     cutoff = (datetime.fromtimestamp(now / 1000, tz=UTC) - timedelta(days=days)).strftime(
         "%Y-%m-%d")
     doomed: list[str] = []
-    for prefix in (layout.EVENTS, layout.INDEX, layout.CONFLICTS):
-        for info in store.list(prefix):
+    for area in (*layout.DATA_AREAS, *layout.INDEX_AREAS, "conflicts"):
+        for info in store.list(f"{area}/"):
             p = layout.parse_object_key(info.key)
             if p is not None and p.date < cutoff:
                 doomed.append(info.key)
     if not dry_run:
         # Index files first: an index row must never point at a deleted object.
-        for key in sorted(doomed, key=lambda k: not k.startswith(layout.INDEX)):
+        for key in sorted(doomed, key=lambda k: k.split("/", 1)[0] not in layout.INDEX_AREAS):
             store.delete(key)
     return doomed

@@ -80,15 +80,17 @@ def live_objects(store: ObjectStore, manifest: Manifest, area: str = "events",
                  task: str | None = None,
                  dates: tuple[str | None, str | None] = (None, None)) -> list[
                      tuple[layout.ObjectPath, ObjectInfo]]:
-    """Live ``events`` objects, or the ``index`` files of live objects, optionally for one task
-    and an inclusive date range."""
+    """Live objects of a data ``area`` (``events``, a context area such as ``decisions``,
+    ``conflicts``), or the index files of live objects (``index``, ``decisions_index``, ...),
+    optionally for one task and an inclusive date range."""
     out: list[tuple[layout.ObjectPath, ObjectInfo]] = []
-    prefix = {"events": layout.EVENTS, "index": layout.INDEX,
-              "conflicts": layout.CONFLICTS}[area]
+    if area not in (*layout.DATA_AREAS, *layout.INDEX_AREAS, "conflicts"):
+        raise ValueError(f"unknown archive area {area!r}")
+    prefix = f"{area}/"
     lo, hi = dates
     if lo is not None and lo == hi:
         prefix += f"date={lo}/"
-        if area == "index" and task is not None:
+        if area in layout.INDEX_AREAS and task is not None:
             prefix += f"task={task}/"
     for info in store.list(prefix):
         p = layout.parse_object_key(info.key)

@@ -6,10 +6,14 @@ query sees one consistent set of objects even while compaction swaps objects und
 * :meth:`ArchiveReader.episode` reads the index rows of the task, then only the row groups
   the index names (``ParquetFile.read_row_groups``), and returns the episode's events sorted
   by ``seq`` with duplicates (same seq) removed.
-* :meth:`ArchiveReader.connect` returns a DuckDB connection with two views: ``events`` (the
-  archived rows plus ``date`` and ``hour`` from the directory layout) and ``episodes`` (the
-  index rows). Local archives are read with DuckDB's own Parquet reader; S3 archives through
-  pyarrow datasets on ``pyarrow.fs.S3FileSystem`` (no httpfs extension download needed).
+* :meth:`ArchiveReader.connect` returns a DuckDB connection with views: ``events`` (the
+  archived rows plus ``date`` and ``hour`` from the directory layout), ``episodes`` (one row
+  per episode, with its outcome) and the decision context (:data:`CONTEXT_VIEWS`). Local
+  archives are read with DuckDB's own Parquet reader; S3 archives through pyarrow datasets on
+  ``pyarrow.fs.S3FileSystem`` (no httpfs extension download needed).
+* :meth:`ArchiveReader.context` returns one episode's (or sandbox's) decision context: its
+  outcome, the decisions and alerts about it, its dead letters, the runtime's acks and the
+  sandbox's lifecycle.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -25,6 +30,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from trajbus.archive import layout
+from trajbus.archive.context import STREAM_KINDS, ContextFacts, context_facts
 from trajbus.archive.episodes import build_episodes
 from trajbus.archive.index import INDEX_SCHEMA
 from trajbus.archive.manifest import Manifest, live_objects, read_manifest
@@ -143,7 +150,8 @@ class ArchiveReader:
         con = duckdb.connect(database)
         areas = {name: [info.key for _, info in live_objects(self.store, m, area)]
                  for name, area in (("events", "events"), ("conflicts", "conflicts"),
-                                    ("episode_objects", "index"))}
+                                    ("episode_objects", "index"),
+                                    *((f"_{a}_rows", a) for a in layout.CONTEXT_AREAS))}
         for name, keys in areas.items():
             hive = name != "episode_objects"
             schema = ARCHIVE_SCHEMA if hive else INDEX_SCHEMA
@@ -166,6 +174,8 @@ class ArchiveReader:
                                      filesystem=fs, schema=schema)
             con.register(f"_{name}_ds", dataset)
             con.execute(f"CREATE VIEW {name} AS SELECT * FROM _{name}_ds")
+        for sql in CONTEXT_VIEWS.values():
+            con.execute(sql)
         if episodes:
             con.register("_episodes_table", self.episodes(manifest=m))
             con.execute("CREATE VIEW episodes AS SELECT * FROM _episodes_table")
@@ -173,9 +183,236 @@ class ArchiveReader:
 
     def episodes(self, task: str | None = None, manifest: Manifest | None = None) -> pa.Table:
         """The episode table (one row per task, sandbox, episode; see ``episodes.py``),
-        built from the index of the live objects."""
-        return build_episodes(self.index(task, manifest=manifest))
+        built from the index of the live objects, with each episode's outcome from the
+        decision context and the sandboxes' lifecycle streams (``context.py``)."""
+        m = manifest or self.manifest()
+        return build_episodes(self.index(task, manifest=m), self.context_facts(task, m))
 
+    # -- the decision context --------------------------------------------------------------
+    def area(self, area: str, task: str | None = None, manifest: Manifest | None = None,
+             columns: list[str] | None = None, filter: Any = None) -> pa.Table:
+        """The rows of one data area (``events``, ``decisions``, ``alerts``,
+        ``dead_letters``) of the live objects, optionally one task; ``filter`` is a
+        ``pyarrow.dataset`` expression."""
+        if task is not None:
+            validate_name("task", task)
+        m = manifest or self.manifest()
+        files = live_objects(self.store, m, area, task=task)
+        if not files:
+            t = ARCHIVE_SCHEMA.empty_table()
+            return t.select(columns) if columns else t
+        fs, base = self.store.arrow_filesystem()
+        dataset = ds.dataset([f"{base}/{info.key}" for _, info in files], format="parquet",
+                             filesystem=fs, schema=ARCHIVE_SCHEMA)
+        return dataset.to_table(columns=columns, filter=filter)
+
+    def lifecycle_rows(self, task: str | None = None, sandbox: str | None = None,
+                       manifest: Manifest | None = None,
+                       payload_kinds: tuple[str, ...] = STREAM_KINDS) -> pa.Table:
+        """The sandboxes' lifecycle rows (kinds ``SandboxLifecycle``, ``Drained``,
+        ``DecisionAck``: their streams, ``episode`` null), through the index: only the row
+        groups holding lifecycle streams are read, and their (large) ``payload_json`` column
+        only where a row of ``payload_kinds`` is (null for the other rows)."""
+        m = manifest or self.manifest()
+        idx = self.index(task, manifest=m)
+        mask = pc.is_null(idx.column("episode"))
+        if sandbox is not None:
+            mask = pc.and_(mask, pc.equal(idx.column("sandbox"), sandbox))
+        idx = idx.filter(mask)
+        by_object: dict[str, set[int]] = defaultdict(set)
+        for r in idx.select(["object_key", "row_group_first", "row_group_last"]).to_pylist():
+            by_object[r["object_key"]].update(range(r["row_group_first"],
+                                                    r["row_group_last"] + 1))
+        cheap = [c for c in STREAM_COLUMNS if c != "payload_json"]
+        kinds, wanted = pa.array(STREAM_KINDS), pa.array(payload_kinds, pa.string())
+        parts = []
+        for key, groups in sorted(by_object.items()):
+            with self.store.open_input(key) as f:
+                pf = pq.ParquetFile(f)
+                have = set(pf.schema_arrow.names)  # an older archive schema: fewer columns
+                for g in sorted(groups):
+                    t = pf.read_row_group(g, columns=[c for c in cheap if c in have])
+                    for c in cheap:
+                        if c not in have:
+                            t = t.append_column(ARCHIVE_SCHEMA.field(c),
+                                                pa.nulls(t.num_rows, ARCHIVE_SCHEMA.field(c).type))
+                    mask = pc.and_(pc.is_null(t.column("episode")),
+                                   pc.is_in(t.column("kind"), kinds))
+                    if sandbox is not None:
+                        mask = pc.and_(mask, pc.equal(t.column("sandbox"), sandbox))
+                    if not pc.any(mask).as_py():
+                        continue
+                    need = pc.and_(mask, pc.is_in(t.column("kind"), wanted))
+                    if pc.any(need).as_py():
+                        payload = pf.read_row_group(g, columns=["payload_json"]).column(0)
+                        payload = pc.if_else(need, payload, pa.scalar(None, pa.string()))
+                    else:
+                        payload = pa.nulls(t.num_rows, pa.string())
+                    parts.append(t.append_column("payload_json", payload).filter(mask))
+        if not parts:
+            return ARCHIVE_SCHEMA.empty_table().select(STREAM_COLUMNS)
+        return pa.concat_tables([p.select(STREAM_COLUMNS) for p in parts]).sort_by(
+            [("task", "ascending"), ("sandbox", "ascending"), ("seq", "ascending")])
+
+    def context_facts(self, task: str | None = None,
+                      manifest: Manifest | None = None) -> ContextFacts:
+        """What the episode outcomes are decided from (``context.context_facts``)."""
+        m = manifest or self.manifest()
+        stream = self.lifecycle_rows(task, manifest=m, payload_kinds=("DecisionAck",)
+                                     ).to_pylist()
+        decisions = self.area("decisions", task, m, columns=STREAM_COLUMNS).to_pylist()
+        alerts = self.area("alerts", task, m, columns=STREAM_COLUMNS).to_pylist()
+        return context_facts(stream, decisions, alerts)
+
+    def context(self, task: str, sandbox: str, episode: str | None = None
+                ) -> DecisionContext:
+        """The decision context of one episode (or, with ``episode=None``, of the sandbox):
+        its outcome row of ``episodes``, the decisions and alerts about it (the sandbox's own
+        and the episode's; not those naming another episode), its dead letters, the runtime's
+        acknowledgements and the sandbox's lifecycle, each in time order."""
+        validate_name("task", task)
+        m = self.manifest()
+        eps = self.episodes(task, manifest=m)
+        outcome = None
+        if episode is not None:
+            rows = eps.filter(pc.and_(pc.equal(eps.column("sandbox"), sandbox),
+                                      pc.equal(eps.column("episode"), episode))).to_pylist()
+            outcome = rows[0] if rows else None
+        about = ds.field("sandbox") == sandbox
+        if episode is not None:
+            about = about & (ds.field("episode").is_null() | (ds.field("episode") == episode))
+
+        def ordered(t: pa.Table) -> pa.Table:
+            return t.sort_by([("event_time_ms", "ascending"), ("event_id", "ascending")])
+
+        stream = self.lifecycle_rows(task, sandbox, manifest=m)
+        kinds = stream.column("kind")
+        return DecisionContext(
+            task=task, sandbox=sandbox, episode=episode, outcome=outcome,
+            decisions=with_decided_by(ordered(self.area("decisions", task, m, filter=about))),
+            alerts=ordered(self.area("alerts", task, m, filter=about)),
+            dead_letters=ordered(self.area("dead_letters", task, m, filter=about)),
+            acks=stream.filter(pc.equal(kinds, "DecisionAck")),
+            lifecycle=stream.filter(pc.not_equal(kinds, "DecisionAck")),
+        )
+
+
+STREAM_COLUMNS = ["task", "sandbox", "episode", "seq", "kind", "state", "previous_state",
+                  "reason", "outcome", "event_id", "event_time_ms", "producer_id",
+                  "payload_json"]
+"""The columns the decision context is decided from."""
+
+
+@dataclass
+class DecisionContext:
+    """One episode's (or sandbox's) decision context, from the archive alone.
+
+    ``outcome``: the episode's row of the ``episodes`` table (``ending``, ``truncated_by``,
+    ``terminate_decision_id``, ...), None for a sandbox or an episode not archived;
+    ``decisions`` (with ``decided_by``), ``alerts``, ``dead_letters``: archive rows of those
+    areas; ``acks``: the runtime's ``DecisionAck`` rows; ``lifecycle``: the sandbox's
+    ``SandboxLifecycle`` and ``Drained`` rows."""
+
+    task: str
+    sandbox: str
+    episode: str | None
+    outcome: dict[str, Any] | None
+    decisions: pa.Table
+    alerts: pa.Table
+    dead_letters: pa.Table
+    acks: pa.Table
+    lifecycle: pa.Table
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-ready digest: the outcome and one line per decision, alert, dead letter,
+        ack and lifecycle change."""
+        def brief(t: pa.Table, fields: list[str]) -> list[dict[str, Any]]:
+            out = []
+            for r in t.to_pylist():
+                p = json.loads(r["payload_json"]) if r.get("payload_json") else {}
+                item = {"event_id": r.get("event_id"), "event_time_ms": r.get("event_time_ms"),
+                        "episode": r.get("episode")}
+                for f in fields:
+                    item[f] = r[f] if f in r else p.get(f)
+                out.append(item)
+            return out
+
+        outcome = None
+        if self.outcome is not None:
+            outcome = {k: self.outcome.get(k) for k in (
+                "ending", "truncated_by", "terminate_decision_id", "terminate_decided_by",
+                "terminate_ack", "outcome", "completeness", "first_seq", "last_seq")}
+        return {
+            "task": self.task, "sandbox": self.sandbox, "episode": self.episode,
+            "outcome": outcome,
+            "decisions": brief(self.decisions, ["decision", "decided_by", "reason",
+                                                "suspicious", "cause_event_ids"]),
+            "alerts": brief(self.alerts, ["alert", "reason", "repeat_count", "dry_run"]),
+            "dead_letters": brief(self.dead_letters, ["stage", "reason_code", "reason",
+                                                      "source_topic", "source_offset"]),
+            "acks": brief(self.acks, ["decision_event_id", "decision", "outcome", "detail"]),
+            "lifecycle": brief(self.lifecycle, ["kind", "state", "reason"]),
+        }
+
+
+def with_decided_by(decisions: pa.Table) -> pa.Table:
+    """``decisions`` with a ``decided_by`` column (``context.decided_by`` of the producer)."""
+    from trajbus.archive.context import decided_by
+
+    values = [decided_by(p) for p in decisions.column("producer_id").to_pylist()]
+    return decisions.append_column("decided_by", pa.array(values, pa.string()))
+
+
+_DECIDED_BY = "coalesce(nullif(regexp_replace(producer_id, '^trajbus[.]', ''), ''), 'unknown')"
+CONTEXT_VIEWS: dict[str, str] = {
+    "decisions": "CREATE VIEW decisions AS SELECT event_id AS decision_id, "
+    "json_extract_string(payload_json, '$.decision') AS decision, "
+    f"{_DECIDED_BY} AS decided_by, "
+    "CAST(json_extract(payload_json, '$.suspicious') AS BOOLEAN) AS suspicious, "
+    "json_extract_string(payload_json, '$.request_id') AS request_id, "
+    "CAST(json_extract(payload_json, '$.cause_event_ids') AS VARCHAR[]) AS cause_event_ids, "
+    "CAST(json_extract(payload_json, '$.details') AS MAP(VARCHAR, VARCHAR)) AS details, "
+    "* FROM _decisions_rows",
+    "alerts": "CREATE VIEW alerts AS SELECT event_id AS alert_id, "
+    "json_extract_string(payload_json, '$.alert') AS alert, "
+    "CAST(json_extract(payload_json, '$.dry_run') AS BOOLEAN) AS dry_run, "
+    "CAST(json_extract(payload_json, '$.repeat_count') AS BIGINT) AS repeat_count, "
+    "CAST(json_extract(payload_json, '$.span_ms') AS BIGINT) AS span_ms, "
+    "CAST(json_extract(payload_json, '$.first_seq') AS BIGINT) AS first_seq, "
+    "CAST(json_extract(payload_json, '$.last_seq') AS BIGINT) AS last_seq, "
+    "CAST(json_extract(payload_json, '$.distinct_results') AS BIGINT) AS distinct_results, "
+    "CAST(json_extract(payload_json, '$.pattern') AS VARCHAR[]) AS pattern, "
+    "* FROM _alerts_rows",
+    "dead_letters": "CREATE VIEW dead_letters AS SELECT event_id AS dead_letter_id, "
+    "json_extract_string(payload_json, '$.stage') AS stage, "
+    "json_extract_string(payload_json, '$.reason_code') AS reason_code, "
+    "json_extract_string(payload_json, '$.source_topic') AS source_topic, "
+    "CAST(json_extract(payload_json, '$.source_partition') AS INTEGER) AS source_partition, "
+    "CAST(json_extract(payload_json, '$.source_offset') AS BIGINT) AS source_offset, "
+    "* FROM _dead_letters_rows",
+    "decision_acks": "CREATE VIEW decision_acks AS SELECT a.task, a.sandbox, a.event_time, "
+    "a.event_time_ms, a.event_id AS ack_id, "
+    "json_extract_string(a.payload_json, '$.decision_event_id') AS decision_id, "
+    "json_extract_string(a.payload_json, '$.decision') AS decision, "
+    "a.outcome AS ack, json_extract_string(a.payload_json, '$.detail') AS detail, "
+    "d.decided_by, d.event_time AS decided_at, a.date, a.hour "
+    "FROM events a LEFT JOIN decisions d "
+    "ON d.decision_id = json_extract_string(a.payload_json, '$.decision_event_id') "
+    "WHERE a.kind = 'DecisionAck'",
+    "lifecycle": "CREATE VIEW lifecycle AS SELECT task, sandbox, seq, event_time, "
+    "event_time_ms, kind, state, previous_state, node, tenant, reason, "
+    "CAST(json_extract(payload_json, '$.final_seqs') AS STRUCT(episode VARCHAR, "
+    "final_seq BIGINT)[]) AS final_seqs, "
+    "CAST(json_extract(payload_json, '$.complete') AS BOOLEAN) AS complete, "
+    "CAST(json_extract(payload_json, '$.unflushed') AS BIGINT) AS unflushed, "
+    "producer_id, event_id, date, hour FROM events "
+    "WHERE episode IS NULL AND kind IN ('SandboxLifecycle', 'Drained')",
+}
+"""The decision-context views of :meth:`ArchiveReader.connect`: ``decisions`` (with
+``decided_by``: scheduler / watchdog), ``alerts``, ``dead_letters``, ``decision_acks`` (the
+sandbox runtime's answers, joined to the decision they answer) and ``lifecycle`` (the
+sandboxes' state changes and drain reports). Fields beyond the archive's typed columns are
+extracted from ``payload_json``."""
 
 PARTITION_SCHEMA = pa.schema([("date", pa.date32()), ("hour", pa.int32())])
 """The hive partition columns' types, the same in every view and every documented reader."""

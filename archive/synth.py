@@ -5,26 +5,41 @@
 * :func:`synthetic_table` builds a large :data:`ARCHIVE_SCHEMA` table with vectorised pyarrow
   compute (tens of millions of rows in seconds): ``sandboxes`` sandboxes spread over ``tasks``
   tasks, each running consecutive episodes of ``events_per_episode`` events.
+* :func:`context_fleet` builds a small fleet with its decision context: a watchdog-terminated
+  episode, a crashed one, a complete one, one still running, alerts, both producers'
+  decisions, the runtime's acknowledgement and dead letters.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from trajbus.archive.rows import ARCHIVE_SCHEMA, with_event_time
+from trajbus.bus.deadletter import dead_letter_event
 from trajbus.schemas.models import (
+    AckOutcome,
+    AlertKind,
+    DecisionAck,
+    DecisionKind,
+    Drained,
     Envelope,
     EpisodeEnd,
+    EpisodeFinalSeq,
     EpisodeOutcome,
     EpisodeStart,
     Event,
+    LifecycleState,
+    SandboxLifecycle,
+    SchedulingDecision,
     ToolCall,
     ToolResult,
     ToolStatus,
     TraceChunk,
+    WatchdogAlert,
 )
 
 
@@ -116,3 +131,136 @@ def synthetic_table(n_events: int, *, sandboxes: int = 1_000, tasks: int = 10,
 
 def _mod(a: pa.Array, m: int) -> pa.Array:
     return pc.subtract(a, pc.multiply(pc.divide(a, m), m))
+
+
+@dataclass
+class ContextFleet:
+    """Events (``events``: sandbox events; ``decisions``, ``alerts``, ``dead_letters``: the
+    processors' outputs) and what the archive must conclude (``endings``: (sandbox, episode)
+    -> (ending, truncated_by, terminate decision id))."""
+
+    events: list[Event] = field(default_factory=list)
+    decisions: list[Event] = field(default_factory=list)
+    alerts: list[Event] = field(default_factory=list)
+    dead_letters: list[Event] = field(default_factory=list)
+    endings: dict[tuple[str, str], tuple[str, str | None, str | None]] = \
+        field(default_factory=dict)
+
+
+def _sid(*parts: object) -> str:
+    return hashlib.sha1("/".join(map(str, parts)).encode()).hexdigest()
+
+
+def context_fleet(task: str = "web-shop", t0_ms: int = 1_714_557_600_000,
+                  prefix: str = "trajbus") -> ContextFleet:
+    """Four sandboxes of ``task``:
+
+    * ``sb-loop``: episode 00000 loops; the watchdog alerts (LOOP) and decides TERMINATE about
+      the episode, the scheduler decides TERMINATE about the sandbox (cause: the alert), the
+      runtime acknowledges the scheduler's decision (DONE), the sandbox drains and recycles;
+    * ``sb-crash``: 00000 complete, 00001 crashes without an EpisodeEnd (drained, recycled,
+      the scheduler's RECYCLE_WITH_LOSS), 00002 never ran; two dead letters about it;
+    * ``sb-trunc``: 00000 ends TRUNCATED (the runtime's own "agent process crashed");
+    * ``sb-run``: 00000 complete, 00001 still running (no end, sandbox alive).
+    """
+    f = ContextFleet()
+    seqs: dict[str, int] = {}
+
+    def hdr(sandbox: str, t: int, episode: str | None = None, producer: str = "synth",
+            eid: str | None = None, seq: int | None = None) -> Envelope:
+        if seq is None:
+            seq = seqs.get(sandbox, 0)
+            seqs[sandbox] = seq + 1
+        return Envelope(event_id=eid or _sid(sandbox, "life", seq, producer), task=task,
+                        sandbox=sandbox, episode=episode, seq=seq, event_time_ms=t,
+                        producer_id=producer)
+
+    def life(sandbox: str, state: LifecycleState, t: int, reason: str = "") -> str:
+        h = hdr(sandbox, t)
+        f.events.append(SandboxLifecycle(header=h, state=state, reason=reason))
+        return h.event_id
+
+    def decide(sandbox: str, kind: DecisionKind, t: int, by: str, episode: str | None = None,
+               causes: tuple[str, ...] = (), reason: str = "") -> str:
+        eid = _sid(sandbox, kind.value, by, t)
+        f.decisions.append(SchedulingDecision(
+            header=hdr(sandbox, t, episode, f"trajbus.{by}", eid, seq=len(f.decisions)),
+            decision=kind, reason=reason or kind.value.lower(), suspicious=kind is
+            DecisionKind.TERMINATE, cause_event_ids=list(causes)))
+        return eid
+
+    for i, sb in enumerate(("sb-loop", "sb-crash", "sb-trunc", "sb-run")):
+        t = t0_ms + i * 1_000
+        decide(sb, DecisionKind.PLACE, t, "scheduler")
+        life(sb, LifecycleState.PROVISIONING, t + 10)
+        life(sb, LifecycleState.ACTIVE, t + 20)
+
+    def ended(sb: str) -> None:
+        t = max(e.header.event_time_ms for e in f.events if e.header.sandbox == sb) + 1_000
+        draining = life(sb, LifecycleState.DRAINING, t, "recycle")
+        if sb != "sb-loop":  # the scheduler answers the sandbox's own report with a DRAIN
+            decide(sb, DecisionKind.DRAIN, t + 1, "scheduler", causes=(draining,))
+        f.events.append(Drained(header=hdr(sb, t + 10), complete=True))
+        life(sb, LifecycleState.RECYCLED, t + 20)
+
+    # sb-loop: the watchdog's alert and TERMINATE about 00000, the scheduler's TERMINATE
+    loop = episode_events(task, "sb-loop", "00000", tool_calls=25, t0_ms=t0_ms + 60_000)
+    f.events += loop
+    t_alert = loop[-2].header.event_time_ms
+    alert_id = _sid("sb-loop", "alert")
+    f.alerts.append(WatchdogAlert(
+        header=hdr("sb-loop", t_alert, "00000", "trajbus.watchdog", alert_id, seq=2),
+        alert=AlertKind.LOOP, pattern=["browser.click"], repeat_count=25, span_ms=150_000,
+        first_seq=1, last_seq=49, reason="same call, unchanged result"))
+    wd = decide("sb-loop", DecisionKind.TERMINATE, t_alert, "watchdog", "00000",
+                reason="watchdog: loop")
+    sched = decide("sb-loop", DecisionKind.TERMINATE, t_alert + 5, "scheduler",
+                   causes=(alert_id,), reason="watchdog: agent loop")
+    f.events.append(DecisionAck(header=hdr("sb-loop", t_alert + 50), decision_event_id=sched,
+                                decision="TERMINATE", outcome=AckOutcome.DONE,
+                                detail="agent stopped"))
+    ended("sb-loop")
+    decide("sb-loop", DecisionKind.RECYCLE, t_alert + 3_000, "scheduler")
+    f.endings[("sb-loop", "00000")] = ("terminated", None, sched)
+    del wd
+
+    # sb-crash: 00001 has no end; the sandbox is drained with it open
+    f.events += episode_events(task, "sb-crash", "00000", t0_ms=t0_ms + 60_000)
+    crashed = episode_events(task, "sb-crash", "00001", t0_ms=t0_ms + 120_000)[:-3]
+    f.events += crashed
+    t = crashed[-1].header.event_time_ms + 1_000
+    draining = life("sb-crash", LifecycleState.DRAINING, t, "recycle")
+    decide("sb-crash", DecisionKind.DRAIN, t + 1, "scheduler", causes=(draining,),
+           reason="sandbox reported DRAINING: recycle")
+    f.events.append(Drained(header=hdr("sb-crash", t + 10), complete=True, final_seqs=[
+        EpisodeFinalSeq(episode="00001", final_seq=crashed[-1].header.seq)]))
+    life("sb-crash", LifecycleState.RECYCLED, t + 20)
+    decide("sb-crash", DecisionKind.RECYCLE_WITH_LOSS, t + 30, "scheduler")
+    for n, src in enumerate((f"{prefix}.sandbox.events", f"{prefix}.trace.chunks")):
+        f.dead_letters.append(dead_letter_event(
+            stage="reorder", reason_code="seq_after_end", reason="seq after the end",
+            source_topic=src, source_partition=0, source_offset=7, key=b"sb-crash",
+            value=b"bytes %d" % n, producer_id="trajbus.reorder", task=task,
+            sandbox="sb-crash", episode="00001", event_time_ms=t + 40 + n))
+    f.endings[("sb-crash", "00000")] = ("complete", None, None)
+    f.endings[("sb-crash", "00001")] = ("truncated", "recycle", None)
+
+    # sb-trunc: the runtime ends 00000 TRUNCATED
+    f.events += episode_events(task, "sb-trunc", "00000", t0_ms=t0_ms + 60_000,
+                               outcome=EpisodeOutcome.TRUNCATED)
+    ended("sb-trunc")
+    f.endings[("sb-trunc", "00000")] = ("truncated", "runtime", None)
+
+    # sb-run: 00001 still running
+    f.events += episode_events(task, "sb-run", "00000", t0_ms=t0_ms + 60_000)
+    f.events += episode_events(task, "sb-run", "00001", t0_ms=t0_ms + 120_000)[:-2]
+    f.endings[("sb-run", "00000")] = ("complete", None, None)
+    f.endings[("sb-run", "00001")] = ("in_progress", None, None)
+
+    # a fleet-wide decision (no sandbox) and a tenant's
+    f.decisions.append(SchedulingDecision(
+        header=Envelope(event_id=_sid("demote"), task="_fleet", sandbox="tenant:acme",
+                        seq=len(f.decisions), event_time_ms=t0_ms + 90_000,
+                        producer_id="trajbus.scheduler"),
+        decision=DecisionKind.DEMOTE, reason="sustained overuse", tenant="acme"))
+    return f

@@ -219,14 +219,17 @@ class ArchiveWriter:
     def write_batch(self, table: pa.Table, topic: str, partition: int, first_offset: int,
                     last_offset: int,
                     before_marker: Callable[[], None] | None = None,
-                    conflicts: pa.Table | None = None) -> BatchResult:
+                    conflicts: pa.Table | None = None,
+                    area: str = "events") -> BatchResult:
         """Write one flushed (topic, partition) batch; see the module docstring.
 
         The batch marker is written *first*, naming every key the batch will write: a crash
         at any point after it leaves a marker, so the batch is replayed with exactly the same
         boundary (same keys, overwritten). A replay whose rows produce fewer objects than the
         earlier attempt deletes the earlier attempt's extra keys before writing. Conflicting
-        copies (``conflicts``) go to ``conflicts/`` objects of the same name (no index).
+        copies (``conflicts``) go to ``conflicts/`` objects of the same name (no index). The
+        rows go to the data area ``area`` (``events``; a context topic's area, such as
+        ``decisions``) and their index to that area's index (``layout.index_key``).
         ``before_marker`` (tests) runs after the objects, before the batch is reported done."""
         meta = {"trajbus.kafka_topic": topic, "trajbus.kafka_partition": str(partition),
                 "trajbus.first_offset": str(first_offset),
@@ -234,9 +237,9 @@ class ArchiveWriter:
         planned: list[tuple[str, str, str, str, pa.Table, str, str | None]] = []
         for date, hour, task, rows in split_groups(table):
             name = layout.batch_object_name(topic, partition, first_offset, last_offset, hour)
-            planned.append(("events", date, hour, task, rows,
-                            layout.events_key(date, hour, task, name),
-                            layout.index_key(date, task, name)))
+            planned.append(("data", date, hour, task, rows,
+                            layout.data_key(area, date, hour, task, name),
+                            layout.index_key(date, task, name, area)))
         if conflicts is not None and conflicts.num_rows:
             for date, hour, task, rows in split_groups(conflicts):
                 name = layout.batch_object_name(topic, partition, first_offset, last_offset,
@@ -260,8 +263,8 @@ class ArchiveWriter:
         conflict_objects: list[WrittenObject] = []
         jobs = [(rows, key, index_key, date, hour) for _, date, hour, _, rows, key, index_key
                 in planned]
-        for (area, *_), written in zip(planned, self._write_objects(jobs, meta), strict=True):
-            (objects if area == "events" else conflict_objects).append(written)
+        for (what, *_), written in zip(planned, self._write_objects(jobs, meta), strict=True):
+            (objects if what == "data" else conflict_objects).append(written)
         if before_marker is not None:
             before_marker()
         return BatchResult(topic, partition, first_offset, last_offset, objects, marker,

@@ -111,6 +111,19 @@ class Topics:
     def input_topics(self) -> list[str]:
         return [self.sandbox_events, self.trace_chunks]
 
+    @property
+    def context_areas(self) -> dict[str, str]:
+        """The decision context the archiver keeps beside the events: topic -> archive area.
+        Scheduling decisions (the scheduler's and the watchdog's, told apart by producer),
+        watchdog alerts and dead letters."""
+        return {self.decisions: "decisions", self.alerts: "alerts",
+                self.deadletter: "dead_letters"}
+
+    @property
+    def archive_topics(self) -> list[str]:
+        """What ``trajbus archive run`` reads by default: the input topics and the context."""
+        return [*self.input_topics, *self.context_areas]
+
 
 def validate_name(what: str, value: str) -> str:
     """Task and sandbox ids end up in topic names and archive paths: allow a safe alphabet only."""

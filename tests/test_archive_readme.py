@@ -4,6 +4,7 @@ return each event exactly once, although every event was received twice."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -134,3 +135,40 @@ def test_s3_snippet_with_duckdb_httpfs_where_the_extension_is_available(
     ns: dict[str, Any] = {}
     exec(blocks("python")[2], ns)
     assert dict(ns["kinds"]) == dict(Counter(type(e).__name__ for e in evs))
+
+
+def test_decision_context_snippets_answer_outcomes_decisions_and_dead_letters(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The "decision context" snippets, against a fleet with a watchdog-terminated episode,
+    a crashed one, one truncated by its runtime and one still running."""
+    from test_archive_context import archive as archive_context
+
+    from trajbus.archive.synth import context_fleet
+
+    fleet_ = context_fleet()
+    archive_context(LocalStore(tmp_path / ".trajbus" / "archive"), tmp_path, fleet_)
+    monkeypatch.chdir(tmp_path)
+    ns: dict[str, Any] = {}
+    exec(blocks("python")[3], ns)
+    assert ns["ending"] == ("terminated", "scheduler", "DONE")
+    assert ("watchdog", "watchdog: loop") in ns["deciders"]
+    assert ("scheduler", "watchdog: agent loop") in ns["deciders"]
+    assert ns["crashed"] == [("sb-crash", "00001", "recycle"), ("sb-trunc", "00000", "runtime")]
+    assert sorted(ns["dead"]) == [("sb-crash", "00001", "reorder", "seq_after_end")] * 2
+
+    env = {**os.environ, "TRAJBUS_ARCHIVE__URL": str(tmp_path / ".trajbus" / "archive")}
+    outputs = []
+    for line in blocks("bash")[1].splitlines():
+        cmd = shlex.split(line, comments=True)
+        res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=120, check=False)
+        assert res.returncode == 0, (line, res.stderr)
+        outputs.append(res.stdout)
+    assert [row.split("\t") for row in outputs[0].splitlines()[1:]] == [
+        ["complete", "", "2"], ["in_progress", "", "1"], ["terminated", "", "1"],
+        ["truncated", "recycle", "1"], ["truncated", "runtime", "1"]]
+    assert [row.split("\t")[:3] for row in outputs[1].splitlines()[1:]] == [
+        ["sb-loop", "", "scheduler"], ["sb-loop", "00000", "watchdog"]]
+    ctx = json.loads(outputs[2])
+    assert ctx["outcome"]["ending"] == "terminated"
+    assert ctx["outcome"]["terminate_decision_id"] == fleet_.endings[("sb-loop", "00000")][2]

@@ -49,7 +49,7 @@ OFFLINE = {
     ("kafka", "pause-node"), ("kafka", "resume-node"),
     ("schemas",), ("config",),
     ("archive", "episode"), ("archive", "episodes"), ("archive", "sql"), ("archive", "compact"),
-    ("archive", "retention"),
+    ("archive", "retention"), ("archive", "context"),
 }
 
 # A valid value for a required argument, by its dest (anything else gets "x").

@@ -151,7 +151,8 @@ def test_healthz_readyz_and_metrics_are_served(processes: dict[str, Running],
             time.sleep(0.5)
         assert committed_transactions(r.port) > 0
     else:
-        assert ready["assigned_partitions"] == 4  # 2 partitions of events and of traces
+        # 2 partitions each of events, traces, decisions, alerts and dead letters
+        assert ready["assigned_partitions"] == 10
         for name in ("trajbus_archiver_batches_total", "trajbus_archiver_bytes_total",
                      "trajbus_archiver_store_errors_total", "trajbus_archiver_freshness_seconds",
                      "trajbus_consumer_lag_records", "trajbus_dead_letters_total"):

@@ -85,6 +85,7 @@ async def test_pipeline_delivers_exactly_what_was_acknowledged_and_catches_loops
     assert caught and caught.group(1) == caught.group(2) and int(caught.group(2)) >= 2, out
     assert "episodes exactly equal to what the emitters acknowledged" in out
     assert "sample query" in out
+    assert re.search(r"decision context: \d+ decisions .*; the same as on their topics", out), out
 
     manifest = json.loads((tmp_path / "work" / str(SEED) / "manifest.json").read_text())
     episodes = manifest["episodes"]
@@ -208,3 +209,41 @@ async def test_pipeline_delivers_exactly_what_was_acknowledged_and_catches_loops
     assert set(archived) == set(want)
     wrong = {k: (len(archived[k]), len(v)) for k, v in want.items() if archived[k] != v}
     assert wrong == {}, wrong
+
+    # -- archive: the decision context, and how every episode ended ------------------------
+    # (archived again: the demo's archive run may have preceded the settling decisions)
+    from trajbus.archive.archiver import run_archiver
+
+    await run_archiver(settings, until_idle=True)
+    reader = ArchiveReader(open_store(str(tmp_path / "archive")))
+    con = reader.connect()
+    assert {eid: (d, by) for eid, d, by in con.execute(
+        "SELECT decision_id, decision, decided_by FROM decisions").fetchall()} == {
+        d["header"]["event_id"]: (d["decision"], d["header"]["producer_id"].removeprefix(
+            "trajbus.")) for d in outputs["decisions"]}, context
+    assert sorted(con.execute("SELECT alert_id FROM alerts").fetchall()) == sorted(
+        (a["header"]["event_id"],) for a in outputs["alerts"] if a["kind"] == "WatchdogAlert")
+    assert con.execute("SELECT count(*) FROM dead_letters").fetchone() == (0,)
+    # the TERMINATEs about an episode: the watchdog's naming it, the scheduler's citing its
+    # LOOP alert (one per sandbox: a sandbox's second looping episode has the watchdog's only)
+    about: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for d in outputs["decisions"]:
+        if d["decision"] == "TERMINATE":
+            for key in [(d["header"]["sandbox"], d["header"]["episode"]),
+                        *(loop_alert_ids[c] for c in d["cause_event_ids"]
+                          if c in loop_alert_ids)]:
+                about[key].add(d["header"]["event_id"])
+    endings = {(r["sandbox"], r["episode"]): r for r in reader.episodes().to_pylist()}
+    for e in episodes:
+        key = (e["sandbox"], e["episode"])
+        r = endings[key]
+        if key in loops:
+            assert r["ending"] == "terminated", (e, r)
+            assert r["terminate_decision_id"] in about[key], (e, r)
+            if acks.get(e["sandbox"]) in about[key]:  # the one the runtime acted on
+                assert r["terminate_decision_id"] == acks[e["sandbox"]], (e, r)
+                assert (r["terminate_decided_by"], r["terminate_ack"]) == ("scheduler", "DONE")
+        elif e["behaviour"] == "crash":
+            assert r["ending"] == "truncated", (e, r)
+        else:
+            assert (r["ending"], r["truncated_by"]) == ("complete", None), (e, r)

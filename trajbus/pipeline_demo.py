@@ -496,9 +496,40 @@ async def _archive(settings: Settings) -> dict[str, Any]:
         summary["events"] = con.execute(
             "SELECT sandbox, episode, seq, event_id, count(*) FROM events "
             "WHERE sandbox <> '_tick' GROUP BY ALL").fetchall()
+        summary["context"] = {
+            view: {r[0]: r[1] for r in con.execute(
+                f"SELECT event_id, {what} FROM {view}").fetchall()}
+            for view, what in (("decisions", "decided_by"), ("alerts", "alert"),
+                               ("dead_letters", "stage"))}
+        summary["endings"] = Counter(
+            (r[0], r[1]) for r in con.execute(
+                "SELECT ending, truncated_by FROM episodes").fetchall())
+        summary["topics"] = await _context_on_topics(settings)
     except Exception as exc:  # the summary says what failed; the check below still runs
         summary["error"] = f"{type(exc).__name__}: {exc}"
     return summary
+
+
+async def _context_on_topics(settings: Settings) -> dict[str, set[str]]:
+    """The event ids on the decisions, alerts and dead-letter topics (ticks left out): what the
+    archive's decision context must equal."""
+    from trajbus.consumers.operator.tools import read_records
+    from trajbus.schemas.codec import DecodeError, default_codec
+
+    topics = Topics(settings)
+    names = {topics.decisions: "decisions", topics.alerts: "alerts",
+             topics.deadletter: "dead_letters"}
+    codec = default_codec()
+    out: dict[str, set[str]] = {v: set() for v in names.values()}
+    for tp, recs in (await read_records(settings, list(names))).items():
+        for rec in recs:
+            try:
+                d = codec.decode(rec.value or b"")
+            except DecodeError:
+                continue
+            if d.kind != "Tick":
+                out[names[tp.topic]].add(str(d.header["event_id"]))
+    return out
 
 
 async def _waterfall(settings: Settings, view: View, work: Path) -> Path | None:
@@ -708,6 +739,24 @@ def _summary(expected: dict[tuple[str, str, str], Any], manifest: Any, view: Vie
         print(f"  sample query: trajbus archive sql \"{archive['query']}\"")
         for row in archive["rows"]:
             print("   ", " | ".join(str(c) for c in row))
+    if "context" in archive:
+        ctx, on_topics = archive["context"], archive["topics"]
+        same = all(set(ctx[v]) == on_topics[v] for v in on_topics)
+        by = Counter(ctx["decisions"].values())
+        print(f"  decision context: {len(ctx['decisions'])} decisions ({dict(by)}), "
+              f"{len(ctx['alerts'])} alerts, {len(ctx['dead_letters'])} dead letters"
+              + ("; the same as on their topics" if same else "; NOT the topics'"))
+        print("  episode endings: " + ", ".join(
+            f"{e}{f' ({t})' if t else ''}={n}" for (e, t), n in sorted(
+                archive["endings"].items(), key=lambda kv: (kv[0][0], kv[0][1] or ""))))
+        stuck = sum(n for (e, _), n in archive["endings"].items() if e == "in_progress")
+        if stuck:  # every sandbox was recycled: no episode of theirs can still be running
+            problems.append(f"archive: {stuck} episodes still in_progress after every sandbox "
+                            "was recycled")
+        for v in on_topics:
+            if set(ctx[v]) != on_topics[v]:
+                problems.append(f"archive {v}: {len(set(ctx[v]) - on_topics[v])} not on the "
+                                f"topic, {len(on_topics[v] - set(ctx[v]))} missing")
     elif "error" in archive:
         problems.append(f"archive query failed: {archive['error']}")
     if waterfall:

@@ -75,7 +75,7 @@ async def fleet_status(settings: Settings) -> dict[str, Any]:
     from trajbus.bus.inventory import consumer_groups
 
     archivers: dict[str, Any] = {}
-    raw = [t for t in topics.input_topics if t in existing_topics]
+    raw = [t for t in topics.archive_topics if t in existing_topics]
     for group in await consumer_groups(settings, f"{settings.topics.prefix}.archiver."):
         lag = await group_lag(settings, group, raw) if raw else {}
         info = await describe_group(settings, group)
