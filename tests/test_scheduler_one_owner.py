@@ -126,7 +126,7 @@ def _scheduler_consumer(settings: Any, group: str, worker_id: str) -> AIOKafkaCo
 
 async def _first_join_only(settings: Any, group: str, worker_id: str, topic: str) -> None:
     """The first JoinGroup a scheduler's consumer sends, and nothing after it: what a worker
-    SIGKILLed while joining leaves in its group (aiokafka sends one JoinGroup per assignor)."""
+    SIGKILLed while joining leaves in its group."""
     client = AIOKafkaClient(**connection_options(settings.kafka))
     await client.bootstrap()
     try:
@@ -146,8 +146,8 @@ async def test_a_worker_killed_while_joining_leaves_the_scheduler_group_settling
         kafka_broker, unique_name) -> None:
     """w2 dies in the middle of joining (after its first JoinGroup) and is restarted with the
     same --worker-id: the group settles, w1 owns everything, w2 stands by, and no rebalance
-    follows. (With two assignors listed the members forced a rebalance on each other for as
-    long as they ran: the operators' drill, issue 37, run 3 of 5.)"""
+    follows. (aiokafka sends one JoinGroup per listed assignor: with two, each member's second
+    JoinGroup forced a rebalance on the other, without end.)"""
     settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=3)
     topic, group = f"{unique_name}.events", f"{unique_name}.scheduler"
     await ensure_topics(settings, [TopicSpec(topic, 3, "input", "sandbox_id")])
