@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import sys
 import time
@@ -124,6 +125,9 @@ async def plant_bad_input(settings: Settings, manifest: Any) -> list[Planted]:
     return planted
 
 
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
 async def run_once(broker: LocalBroker, run: int, seed: int, work: Path,
                    sandboxes: int, episodes: int, explain_sample: int) -> RunResult:
     from trajbus.bus.admin import ensure_base_topics, register_schemas
@@ -137,6 +141,11 @@ async def run_once(broker: LocalBroker, run: int, seed: int, work: Path,
     topics = Topics(settings)
     run_dir = work / prefix
     run_dir.mkdir(parents=True, exist_ok=True)
+    # this process's own warnings (the simulated fleets' producers, the checks) beside the
+    # workers' logs, as well as on stderr
+    own_log = logging.FileHandler(run_dir / "drill.log")
+    own_log.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger().addHandler(own_log)
     await ensure_base_topics(settings, TASKS)
     await register_schemas(settings)
     workers = [Worker(settings, "reorder,watchdog,scheduler", worker_id=f"w{i}",
@@ -190,6 +199,8 @@ async def run_once(broker: LocalBroker, run: int, seed: int, work: Path,
         from trajbus.bus.producer import close_producer as _close
 
         await _close()
+        logging.getLogger().removeHandler(own_log)
+        own_log.close()
     result.ok = not fails
     result.seconds = round(time.monotonic() - started, 1)
     return result
@@ -284,6 +295,7 @@ async def check_redrive(settings: Settings, planted: list[Planted], result: RunR
 
 
 async def main_async(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     broker = LocalBroker(work / "broker", port=free_port(), controller_port=free_port())
@@ -321,7 +333,7 @@ def main() -> int:
     ap.add_argument("--explain-sample", type=int, default=2,
                     help="looping sandboxes per run re-run by `replay explain`")
     ap.add_argument("--work", default=".trajbus/operator-drill",
-                    help="the broker's data, the workers' logs, results.jsonl")
+                    help="the broker's data, the workers' and the drill's logs, results.jsonl")
     return asyncio.run(main_async(ap.parse_args()))
 
 

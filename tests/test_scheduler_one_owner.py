@@ -15,12 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiokafka import AIOKafkaConsumer
+from aiokafka.client import AIOKafkaClient, CoordinationType
 from aiokafka.cluster import ClusterMetadata
-from aiokafka.coordinator.protocol import ConsumerProtocolMemberMetadata
+from aiokafka.coordinator.protocol import ConsumerProtocol, ConsumerProtocolMemberMetadata
+from aiokafka.protocol.group import JoinGroupRequest
 from support import Worker, settings_for
 
-from trajbus.bus.admin import ensure_base_topics
-from trajbus.consumers.engine.runner import OneMemberAssignor
+from trajbus.bus.admin import ensure_base_topics, ensure_topics
+from trajbus.bus.inventory import describe_group
+from trajbus.bus.kafka import connection_options
+from trajbus.bus.topics import TopicSpec
+from trajbus.consumers.engine.runner import OneMemberAssignor, group_assignors
 from trajbus.consumers.operator.tools import fleet_status
 
 
@@ -105,3 +111,87 @@ async def test_two_workers_with_the_default_processors_give_the_scheduler_one_ow
         if w2.proc is not None:
             w2.stop()
     assert "scheduler: restored" in (tmp_path / "w2.log").read_text()
+
+
+def _scheduler_consumer(settings: Any, group: str, worker_id: str) -> AIOKafkaConsumer:
+    """A consumer joining ``group`` as the scheduler's runner does (static member, the
+    assignors of a global processor)."""
+    return AIOKafkaConsumer(**connection_options(settings.kafka), group_id=group,
+                            client_id=f"{group}-{worker_id}",
+                            group_instance_id=f"{group}.{worker_id}",
+                            partition_assignment_strategy=group_assignors(True),
+                            session_timeout_ms=10_000, heartbeat_interval_ms=500,
+                            enable_auto_commit=False)
+
+
+async def _first_join_only(settings: Any, group: str, worker_id: str, topic: str) -> None:
+    """The first JoinGroup a scheduler's consumer sends, and nothing after it: what a worker
+    SIGKILLed while joining leaves in its group."""
+    client = AIOKafkaClient(**connection_options(settings.kafka))
+    await client.bootstrap()
+    try:
+        node = await client.coordinator_lookup(CoordinationType.GROUP, group)
+        first = group_assignors(True)[0]
+        response = await client.send(node, JoinGroupRequest(
+            group, 10_000, 30_000, "", f"{group}.{worker_id}", ConsumerProtocol.PROTOCOL_TYPE,
+            [(first.name, first.metadata({topic}).encode())]))
+        assert response.error_code == 0, response
+    finally:
+        await client.close()
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(120)
+async def test_a_worker_killed_while_joining_leaves_the_scheduler_group_settling(
+        kafka_broker, unique_name) -> None:
+    """w2 dies in the middle of joining (after its first JoinGroup) and is restarted with the
+    same --worker-id: the group settles, w1 owns everything, w2 stands by, and no rebalance
+    follows. (aiokafka sends one JoinGroup per listed assignor: with two, each member's second
+    JoinGroup forced a rebalance on the other, without end.)"""
+    settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=3)
+    topic, group = f"{unique_name}.events", f"{unique_name}.scheduler"
+    await ensure_topics(settings, [TopicSpec(topic, 3, "input", "sandbox_id")])
+
+    async def poll(consumer: AIOKafkaConsumer) -> None:
+        while True:
+            await consumer.getmany(timeout_ms=100)
+
+    w1 = _scheduler_consumer(settings, group, "w1")
+    w2 = _scheduler_consumer(settings, group, "w2")
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        await w1.start()
+        w1.subscribe([topic])
+        tasks.append(asyncio.create_task(poll(w1)))
+
+        async def w1_owns() -> bool:
+            return len(w1.assignment()) == 3
+        await _wait(w1_owns, "w1 to own the group alone")
+
+        await _first_join_only(settings, group, "w2", topic)  # w1 rejoins meanwhile
+        await w2.start()  # the restarted w2
+        w2.subscribe([topic])
+        tasks.append(asyncio.create_task(poll(w2)))
+
+        async def settled() -> bool:
+            info = await describe_group(settings, group)
+            holding = [m for m in info.members if any(m.assignment.values())]
+            return (info.state == "Stable" and len(info.members) == 2 and len(holding) == 1
+                    and holding[0].client_id.endswith("-w1"))
+        await _wait(settled, "the group to settle with w1 owning everything", timeout=45)
+
+        # then it stays settled: no new generation over 10 heartbeats of both members
+        # (aiokafka keeps the member's generation in its coordinator)
+        generation = w1._coordinator.generation
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            now = (w1._coordinator.generation, w2._coordinator.generation)
+            assert now == (generation, generation), \
+                f"the group rebalanced again: generation {generation} -> {now}"
+            await asyncio.sleep(0.1)
+        assert len(w1.assignment()) == 3 and not w2.assignment()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(w1.stop(), w2.stop(), return_exceptions=True)

@@ -293,6 +293,23 @@ class OneMemberAssignor(RangePartitionAssignor):
                 for member in members}
 
 
+def group_assignors(global_state: bool) -> tuple[type[RangePartitionAssignor], ...]:
+    """The partition assignors a processor's consumer offers its group: range (partition p of
+    every input topic to the same member), or :class:`OneMemberAssignor` for a processor with
+    global state.
+
+    Exactly one each: aiokafka 0.14 sends one JoinGroup per listed assignor, each with the
+    protocols listed so far (aio-libs/aiokafka#1168). With two, once one member waits in a
+    join with both protocols while the other joins with the first (a worker killed between
+    its two JoinGroups and restarted with the same --worker-id does that), each one's second
+    JoinGroup differs from what the coordinator holds for it and forces a new rebalance, and
+    the members take turns at that with no end and no owner. A worker of a version that
+    offered range alone cannot share a scheduler group with this one (the coordinator refuses
+    the later one's join as inconsistent): stop it first; range split the scheduler's state
+    anyway."""
+    return (OneMemberAssignor,) if global_state else (RangePartitionAssignor,)
+
+
 def reusable_slots(parked: Mapping[int, Mapping[TopicPartition, int | None]],
                    assigned: Mapping[int, Iterable[TopicPartition]],
                    committed: Mapping[TopicPartition, int | None]) -> set[int]:
@@ -840,11 +857,8 @@ class Runner:
             # episode (events and trace chunks share partition p of two topics). aiokafka's
             # default, round-robin, splits them across workers.
             # A global processor (the scheduler): everything to one member, the others
-            # stand by (OneMemberAssignor). Range stays listed so that a group still holding
-            # workers of an older version agrees on it while they are replaced.
-            partition_assignment_strategy=((OneMemberAssignor, RangePartitionAssignor)
-                                           if self.spec.global_state
-                                           else (RangePartitionAssignor,)),
+            # stand by (OneMemberAssignor). One assignor only: see group_assignors.
+            partition_assignment_strategy=group_assignors(self.spec.global_state),
             metadata_max_age_ms=5000,  # pattern subscriptions see new replay topics quickly
             max_partition_fetch_bytes=k.max_request_size,
             fetch_max_bytes=4 * k.max_request_size,
