@@ -44,6 +44,7 @@ import fcntl
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -242,13 +243,33 @@ def ensure_jars(lib_dir: Path | None = None, *, force: bool = False, quiet: bool
 
 
 _HANDED_OUT: set[int] = set()
+_LOW_PORT = 10_000  # below it: well-known services' ports
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux; else IANA's)."""
+    try:
+        lo, hi = (int(x) for x in
+                  Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 49152, 65535
+    return lo, hi
 
 
 def free_port(host: str = DEFAULT_HOST) -> int:
     """A TCP port that is free right now on ``host`` (for tests; racy by nature), never one
-    this process was given before: two calls in a row could get the same port from the
-    kernel, since nothing listens on it yet (a fresh-clone run of 2026-12-05 got a broker
-    listener and its controller on one port)."""
+    this process was given before, and below the kernel's ephemeral range: the port of a node
+    that is stopped and started again must stay free meanwhile, and in the ephemeral range any
+    outgoing connection of any process may take it as its local port (a 3-node cluster of the
+    drill could not bind its listener: "Address already in use")."""
+    lo, _ = ephemeral_ports()
+    if lo - 1 > _LOW_PORT + 1000:
+        rng = random.SystemRandom()
+        for _ in range(500):
+            port = rng.randint(_LOW_PORT, lo - 1)
+            if port not in _HANDED_OUT and _port_free(host, port):
+                _HANDED_OUT.add(port)
+                return port
     for _ in range(100):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((host, 0))

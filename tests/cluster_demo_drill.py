@@ -23,14 +23,18 @@ import threading
 import time
 from pathlib import Path
 
+from trajbus.infra.broker import ephemeral_ports
+
 NOISE = ("Traceback (most recent call last)", "Task exception was never retrieved",
          "Exception ignored in")
 
 
 def _free_base() -> int:
-    """A base port with the 6 ports after it free (3 nodes x client + controller)."""
+    """A base port with the 6 ports after it free (3 nodes x client + controller), below the
+    kernel's ephemeral range (where any outgoing connection may take a port meanwhile)."""
+    top = max(20_006, ephemeral_ports()[0]) - 6
     for _ in range(200):
-        base = random.randint(20_000, 60_000)
+        base = random.randint(20_000, top)
         ok = True
         for port in range(base, base + 6):
             with socket.socket() as s:

@@ -211,3 +211,14 @@ def test_stop_is_clean(tmp_path: Path) -> None:
     wait_until(lambda: not broker_mod._pid_alive(pid), 10, "the broker process to exit")
     wait_until(lambda: probe_broker("127.0.0.1", b.port, 0.5) is None, 10, "the port to close")
     b.stop()  # stopping a stopped broker is a no-op
+
+
+def test_free_ports_are_distinct_and_outside_the_ephemeral_range() -> None:
+    # a node stopped and started again needs its port free meanwhile: in the ephemeral range
+    # any outgoing connection may take it as its local port
+    from trajbus.infra.broker import ephemeral_ports
+
+    lo, hi = ephemeral_ports()
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert not [p for p in ports if lo <= p <= hi], (lo, hi, ports)
