@@ -8,7 +8,8 @@ Each run, with its own topic prefix on one private broker shared by all runs:
 - two workers (reorder, watchdog, scheduler each), one SIGKILLed mid-run and restarted;
 - two simulated fleets at once (closed loop, planted loops and cycles): one on the broker's
   clock, one whose sandboxes' clocks lag it by three hours;
-- a 20 s broker outage while the fleets run;
+- a 20 s broker outage while the fleets run (a worker that was restarting then fails fast at
+  start-up, by design; the drill starts it again, as a deployment's process supervisor does);
 - bad input planted on the sandbox-events topic: bytes that are not Avro, an unknown schema
   fingerprint, an id that is not allowed, and a conflicting version of an event the reorder
   already released (far behind its window).
@@ -153,6 +154,24 @@ async def run_once(broker: LocalBroker, run: int, seed: int, work: Path,
     rng = random.Random(seed)
     fails = result.failures
 
+    async def supervise() -> None:
+        # As a deployment's process supervisor does: a worker that exited at start-up because
+        # the broker did not answer (restarted into the outage: it fails fast by design) is
+        # started again. Any other exit is a failure (found after the fleets, below).
+        while True:
+            await asyncio.sleep(0.5)
+            for i, w in enumerate(workers):
+                if w.proc is None or w.proc.poll() is None or w.proc.returncode == 0:
+                    continue
+                assert w.log_path is not None
+                tail = w.log_path.read_text(errors="replace")[-4000:]
+                if "trajbus: error:" not in tail or "did not answer" not in tail:
+                    continue  # not a fail-fast exit: left for the check below
+                result.faults.append(f"{w.worker_id} exited at start-up (broker down) at "
+                                     f"{time.monotonic() - started:.1f}s, restarted")
+                workers[i] = Worker(settings, "reorder,watchdog,scheduler",
+                                    worker_id=w.worker_id, log_path=w.log_path).start()
+
     async def faults() -> None:
         await asyncio.sleep(rng.uniform(4, 8))
         workers[0].kill()
@@ -168,6 +187,7 @@ async def run_once(broker: LocalBroker, run: int, seed: int, work: Path,
 
     knobs: dict[str, Any] = dict(tasks=TASKS, loop=0.25, cycle=0.1, nonloop=0.05, crash=0.0,
                                  migrate=0.05, shuffle_window=4, placement_timeout_s=300)
+    supervisor = asyncio.create_task(supervise())
     try:
         chaos = asyncio.create_task(faults())
         now = int(time.time() * 1000)
@@ -177,10 +197,11 @@ async def run_once(broker: LocalBroker, run: int, seed: int, work: Path,
             simulate(settings, sandboxes=sandboxes, episodes=episodes, seed=seed + 50_000,
                      state_root=run_dir / "fleet-lagging", start_ms=now - LAG_MS, **knobs))
         await chaos
+        supervisor.cancel()
         await close_producer()
         planted = await plant_bad_input(settings, fleets[0])
         result.bad_planted = len(planted)
-        for w in workers:  # restarted after a fail-fast exit during the outage: not expected
+        for w in workers:  # any other exit: a failure
             if w.proc is not None and w.proc.poll() is not None:
                 fails.append(f"worker {w.worker_id} exited ({w.proc.returncode})")
                 w.start()
@@ -194,6 +215,7 @@ async def run_once(broker: LocalBroker, run: int, seed: int, work: Path,
     except Exception:
         fails.append("run raised: " + traceback.format_exc(limit=6))
     finally:
+        supervisor.cancel()
         for w in workers:
             w.stop()
         from trajbus.bus.producer import close_producer as _close
