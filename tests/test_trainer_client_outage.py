@@ -7,6 +7,10 @@
 * An idle trainer's log through an outage is one line when the Kafka client starts failing,
   a summary every ``SUMMARY_EVERY_S`` and one line when it works again (it wrote 1,001
   aiokafka lines in a 30 s outage).
+* Acknowledgements made during an outage (coalesced commits: ``ack()`` returned True) that
+  no commit could carry -- the group dropped the member before it could commit, or it
+  stopped during the outage -- are delivered again to the partition's next reader and
+  counted (``acks_lost_in_rebalance``, ``acks_lost_at_stop``), never silently.
 """
 
 from __future__ import annotations
@@ -244,9 +248,8 @@ async def test_acks_a_member_dropped_after_an_outage_could_not_commit_are_counte
 async def test_acks_a_member_stopped_during_an_outage_could_not_commit_are_counted(
         killable_broker: LocalBroker, unique_name: str) -> None:
     """Acknowledged during an outage, then ``stop()`` during it: its last commit cannot be
-    made, so the partition's next reader delivers them again. They were counted nowhere (the
-    stop logged a line; ``stats`` said nothing was lost): now
-    ``stats["acks_lost_at_stop"]`` counts them."""
+    made, so the partition's next reader delivers them again -- and
+    ``stats["acks_lost_at_stop"]`` counts every one of them."""
     outage_acked, b_seen, a = await _outage_acks(_up(killable_broker), unique_name, "stop")
     again = set(outage_acked) & set(b_seen)
     assert again, "B was not handed A's partition (nothing to check)"
