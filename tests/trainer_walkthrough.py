@@ -107,11 +107,11 @@ def trainer_main(args: argparse.Namespace) -> int:
     journal = _Journal(Path(args.journal), args.name)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    journal.write("start", mode=args.mode, client=args.client)
     rng = random.Random(args.seed)
     kw: dict[str, Any] = dict(commit_every_ms=args.commit_every_ms)
     if args.max_in_flight:
         kw["max_in_flight"] = args.max_in_flight
-    journal.write("start", mode=args.mode, client=args.client, **kw)
     try:
         if args.client == "sync":
             stats = _trainer_sync(args, settings, journal, stop, rng, kw)
@@ -230,9 +230,18 @@ class Trainer:
         self.proc.wait(timeout=10)
         self.killed = True
 
+    def ready(self) -> bool:
+        """It has started its client loop (logged "start"): SIGTERM is handled from then on."""
+        return self.proc is not None and any(
+            x["ev"] == "start" and x["pid"] == self.proc.pid for x in read_journal(self.journal))
+
     def stop(self, timeout: float = 60.0) -> float | None:
-        """SIGTERM and wait; the seconds it took, None if it had to be killed (a hang)."""
+        """SIGTERM (once it is ready, a bounded wait: a loaded machine starts Python slowly)
+        and wait; the seconds it took, None if it had to be killed (a hang)."""
         assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while not self.ready() and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
         t0 = time.monotonic()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -468,6 +477,11 @@ class Scene:
         self.worker = Worker(self.settings, "reorder", worker_id="w1",
                              log_path=self.dir / "worker.log").start()
         self.fleet.start()
+        deadline = time.monotonic() + 120  # a loaded machine starts Python slowly
+        while not self.fleet.acked() and time.monotonic() < deadline:
+            assert self.fleet.proc is not None and self.fleet.proc.poll() is None, \
+                "the fleet exited at start"
+            await asyncio.sleep(0.2)
         self.t0 = time.monotonic()
 
     def trainer(self, name: str, **kw: Any) -> Trainer:
@@ -485,6 +499,8 @@ class Scene:
         self.note(f"fleet stopped ({len(manifest)} episodes acknowledged by the emitters)")
         if not closed_ok:
             result.failures.append("an emitter closed with events not acknowledged")
+        if not manifest:
+            result.failures.append("the fleet had no episode acknowledged")
         deadline = time.monotonic() + drain_timeout_s
         while time.monotonic() < deadline:
             acked = acked_true(read_journal(self.journal))
