@@ -7,18 +7,23 @@
 * An idle trainer's log through an outage is one line when the Kafka client starts failing,
   a summary every ``SUMMARY_EVERY_S`` and one line when it works again (it wrote 1,001
   aiokafka lines in a 30 s outage).
+* Acknowledgements made during an outage (coalesced commits: ``ack()`` returned True) that
+  no commit could carry -- the group dropped the member before it could commit, or it
+  stopped during the outage -- are delivered again to the partition's next reader and
+  counted (``acks_lost_in_rebalance``, ``acks_lost_at_stop``), never silently.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 from faults_support import own_broker
-from replay_support import publish_replay
+from replay_support import publish_live, publish_replay
 from support import make_episodes, settings_for
 
 from trajbus.consumers.replay import ratelimit
@@ -155,3 +160,97 @@ def test_a_gate_left_by_clients_dropped_unclosed_does_not_leak_into_the_next() -
     finally:
         ratelimit.detach(fresh)
     assert ratelimit._gate is None
+
+
+async def _outage_acks(broker: LocalBroker, unique_name: str, after: str
+                       ) -> tuple[list[tuple[str, str]], list[tuple[str, str]], ReplayClient]:
+    """Trainer A (async, the default coalesced commits) and B (a SyncReplayClient, whose own
+    thread heartbeats) share a group; A acknowledges 20 episodes it had fetched while the
+    broker is stopped (``ack()`` returns True: nothing can be committed then). Then, per
+    ``after``: ``"stop"``: A stops during the outage (its last commit cannot be made);
+    ``"blocked"``: A's loop blocks in a long training step while the broker comes back, beyond
+    the session timeout, so the group drops A. B then reads A's partition from the group's
+    commit. Returns (A's acknowledgements during the outage, what B was handed, A)."""
+    settings = settings_for(broker.bootstrap, unique_name, partitions=2)
+    await publish_live(settings, "web-shop", make_episodes(600, seed=63, task="web-shop"))
+    group = f"{unique_name}-g"
+    a = ReplayClient("web-shop", group, settings)
+    await a.start()
+    b_seen: list[tuple[str, str]] = []
+    b_stop = threading.Event()
+
+    def run_b() -> None:
+        with SyncReplayClient("web-shop", group, settings) as b:
+            while not b_stop.is_set():
+                for ep in b.episodes(idle_timeout=0.5):
+                    b_seen.append((ep.sandbox, ep.episode))
+                    b.ack(ep)
+                    time.sleep(0.02)  # slower than A: its partition is still being read
+                    if b_stop.is_set():
+                        break
+
+    b_task = asyncio.ensure_future(asyncio.to_thread(run_b))
+    broker_down = False
+    a_acked = 0
+    outage_acked: list[tuple[str, str]] = []
+    stopped = False
+    try:
+        async for ep in a.episodes(idle_timeout=5):
+            await asyncio.sleep(0.02)  # training
+            ok = await a.ack(ep)
+            if ok and broker_down:
+                outage_acked.append((ep.sandbox, ep.episode))
+            a_acked += ok
+            shared = (a._consumer is not None and len(a._consumer.assignment()) == 1
+                      and a._settled.is_set() and len(b_seen) >= 5)  # B is in, settled
+            if a_acked >= 30 and shared and not broker_down:
+                await asyncio.to_thread(broker.stop)
+                broker_down = True
+            if len(outage_acked) >= 20:
+                break
+        assert len(outage_acked) >= 20, (a_acked, len(outage_acked))
+        if after == "stop":
+            await asyncio.wait_for(a.stop(), 60)
+            stopped = True
+            await asyncio.to_thread(broker.start, 120)
+        else:
+            up = threading.Thread(target=broker.start, args=(120,))
+            up.start()
+            up.join()  # blocks A's loop: a long training step
+            time.sleep(14)
+            async for ep in a.episodes(idle_timeout=8):
+                await a.ack(ep)
+        # B takes A's partition (A's session ends 10 s after the broker is back) and reads it
+        deadline = time.monotonic() + 60
+        while not set(outage_acked) & set(b_seen) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(3)  # the rest of them
+    finally:
+        b_stop.set()
+        await asyncio.wait_for(b_task, 120)
+        if not stopped:
+            await a.stop()
+        broker.start(timeout=120)
+    return outage_acked, b_seen, a
+
+
+async def test_acks_a_member_dropped_after_an_outage_could_not_commit_are_counted(
+        killable_broker: LocalBroker, unique_name: str) -> None:
+    """Acknowledged during an outage, then dropped by the group before any commit could be
+    made: the guarantee cannot be kept (the broker never had those acknowledgements), so the
+    other member delivers them again -- and A counts every one of them."""
+    outage_acked, b_seen, a = await _outage_acks(_up(killable_broker), unique_name, "blocked")
+    again = set(outage_acked) & set(b_seen)
+    assert again, "the group did not drop A (nothing to check)"
+    assert a.stats["acks_lost_in_rebalance"] >= len(again), a.stats
+
+
+async def test_acks_a_member_stopped_during_an_outage_could_not_commit_are_counted(
+        killable_broker: LocalBroker, unique_name: str) -> None:
+    """Acknowledged during an outage, then ``stop()`` during it: its last commit cannot be
+    made, so the partition's next reader delivers them again -- and
+    ``stats["acks_lost_at_stop"]`` counts every one of them."""
+    outage_acked, b_seen, a = await _outage_acks(_up(killable_broker), unique_name, "stop")
+    again = set(outage_acked) & set(b_seen)
+    assert again, "B was not handed A's partition (nothing to check)"
+    assert a.stats["acks_lost_at_stop"] >= len(again), a.stats

@@ -20,6 +20,12 @@ Guarantees
   last acknowledgements. ``await client.commit()`` returns once everything acknowledged so
   far is committed (before saving a checkpoint, say); ``stop()`` commits too, and so does a
   rebalance that takes partitions away.
+  What cannot be committed cannot be kept: an acknowledgement ``ack`` returned True for that
+  no commit carried before the partition left this member -- the group dropped the member
+  (a broker outage, then a loop blocked beyond the session timeout before it could commit)
+  or ``stop()``'s last commit failed (the broker away) -- is delivered again to the
+  partition's next reader; each is counted (``stats["acks_lost_in_rebalance"]``,
+  ``stats["acks_lost_at_stop"]``) and logged (WARNING), never silent.
 * **Per-ack commits** (``commit_every_ms=0``): every :meth:`ReplayClient.ack` returns once
   its commit is done; a trainer that crashes and resumes sees neither a gap nor a second copy
   of what it acknowledged. The default until 2026-12-05; bench/bench_trainer_commit.py
@@ -605,7 +611,8 @@ class ReplayClient:
                       "flow_control_waits": 0,
                       "skipped_already_acked": 0, "undecodable": 0,
                       "commits_retried_after_rebalance": 0, "acks_after_partition_moved": 0,
-                      "acks_lost_in_rebalance": 0, "acks_beyond_metadata_cut": 0,
+                      "acks_lost_in_rebalance": 0, "acks_lost_at_stop": 0,
+                      "acks_beyond_metadata_cut": 0,
                       "records_read_again_after_early_exit": 0, "start_positions_retried": 0}
         self._consumer: AIOKafkaConsumer | None = None
         self._progress: dict[TopicPartition, _PartitionProgress] = {}
@@ -765,8 +772,26 @@ class ReplayClient:
                 if self._commit_error is None:
                     await self._final_commit()
             finally:
+                self._count_lost_at_stop()
                 await close_client(self._consumer, "trainer consumer")
                 self._consumer = None
+
+    def _count_lost_at_stop(self) -> None:
+        """Coalesced commits: acknowledgements ``ack()`` returned True for that no commit
+        carried by the end of ``stop()`` (its last commit failed or was not made: the broker
+        away, the group rebalancing, an earlier commit error) are delivered again to the
+        partitions' next reader: counted in ``stats["acks_lost_at_stop"]`` and logged."""
+        lost = {tp: p.promised - p.durable for tp, p in self._progress.items()
+                if p.promised > p.durable}
+        for p in self._progress.values():
+            p.durable = max(p.durable, p.promised)  # counted once (stop() may run twice)
+        if not lost:
+            return
+        self.stats["acks_lost_at_stop"] += sum(lost.values())
+        log.warning("replay client %s: %d acknowledged offset(s) (ack() returned True) of %s "
+                    "were not committed when the client stopped; the partitions' next reader "
+                    "delivers them again", self.group_id, sum(lost.values()),
+                    ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(lost)))
 
     async def _final_commit(self) -> None:
         """One commit at stop: a stopping member does not wait for a rebalance to end."""
@@ -1188,8 +1213,13 @@ class ReplayClient:
         Returns True when the acknowledgement is this member's for the group: with per-ack
         commits (``commit_every_ms=0``) once it is committed; with coalesced commits (the
         default, ``commit_every_ms=100``) at once (it is committed in the background, and at
-        the latest when a rebalance takes the partition away --
-        ``stats["acks_lost_in_rebalance"]`` counts any that commit could not carry). Returns
+        the latest when a rebalance takes the partition away or the client stops). An
+        acknowledgement that returned True and that no commit could carry is delivered again
+        to the partition's next reader, and counted: ``stats["acks_lost_in_rebalance"]`` (the
+        revocation's commit failed, e.g. the group dropped this member after a broker outage
+        before it could commit what it acknowledged during it), ``stats["acks_lost_at_stop"]``
+        (the last commit of ``stop()`` failed, e.g. the broker away); a crash loses the
+        acknowledgements since the last commit, uncounted. Returns
         False when the item's partition went to another member of the
         group since it was handed out (a member joined or left): that member delivers it
         again, whole, and its acknowledgement is the one that counts; a trainer that wants
@@ -1586,13 +1616,20 @@ class _StartAt(ConsumerRebalanceListener):
         # new assignment resets (aiokafka's getmany waits from here until it is made)
         client._revocations += 1
         client._settled.clear()
+        outcome = "nothing to commit"
         if client._commit_error is None:
             try:
                 await asyncio.wait_for(client._commit_acknowledged(retry_rebalance=False),
                                        _REVOKE_COMMIT_TIMEOUT_S)
+                outcome = "acknowledgements committed"
             except Exception as exc:  # the next owner reads from the group's last commit
+                outcome = "commit failed"
                 log.warning("replay client %s: the commit at revocation failed (%s: %s)",
                             client.group_id, type(exc).__name__, exc)
+        else:
+            outcome = f"no commit ({type(client._commit_error).__name__} pending)"
+        log.info("replay client %s: %d partition(s) revoked (%s)", client.group_id,
+                 len(revoked), outcome)
         client._rebalancing = True
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
@@ -1632,6 +1669,9 @@ class _StartAt(ConsumerRebalanceListener):
                     gone.append(tp)
         # the episodes an iterator holds open on those partitions are not this member's to
         # complete: their segments are read again from the group's commit if they come back
+        log.info("replay client %s: %d partition(s) assigned; %d kept, %d given up (%s)",
+                 client.group_id, len(assigned), len(client._progress) - len(gone), len(gone),
+                 ", ".join(f"{tp.topic}[{tp.partition}]" for tp in gone) or "none")
         client._lose(gone)
         await client._apply_start(assigned)
 
