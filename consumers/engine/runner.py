@@ -82,8 +82,9 @@ ops_log = logging.getLogger("trajbus.ops")
 TICK_KEY = b"_tick"
 _MAX_IDLE_S = 10.0
 PASS_MARKERS_AFTER_S = 2.0
-"""An idle input partition's position is committed past what holds no record (a transaction's
-commit marker, aborted records) after this long without input (see ``_commit_passed``)."""
+"""An input partition's position is committed past what holds no record (a transaction's
+commit marker, aborted records) after this long without input other than ticks (see
+``_commit_passed``)."""
 _STATS_S = 10.0
 _STATS = ("batches", "records", "outputs", "changelog", "poll_s", "handle_s", "txn_s",
           "txn_max_ms", "age_ms", "age_max_ms", "between_polls_max_ms")
@@ -769,16 +770,16 @@ class Runner:
                     ages = [now_ms - m.timestamp for msgs in batch.values() for m in msgs]
                     self._stats["age_ms"] += sum(ages)
                     self._stats["age_max_ms"] = max(self._stats["age_max_ms"], max(ages))
+                if time.monotonic() >= pass_markers_at:  # no input but ticks for a while
+                    await self._commit_passed()
+                    pass_markers_at = time.monotonic() + PASS_MARKERS_AFTER_S
                 if not batch:
                     if until_idle is not None and time.monotonic() - idle_since > until_idle:
                         break
-                    if time.monotonic() >= pass_markers_at:
-                        await self._commit_passed()
-                        pass_markers_at = time.monotonic() + PASS_MARKERS_AFTER_S
                     continue
-                pass_markers_at = time.monotonic() + PASS_MARKERS_AFTER_S
                 if any(m.key != TICK_KEY for msgs in batch.values() for m in msgs):
                     idle_since = time.monotonic()
+                    pass_markers_at = idle_since + PASS_MARKERS_AFTER_S
                 if self.spec.ordered:
                     for tp, msgs in batch.items():
                         self._pending.setdefault(tp, deque()).extend(msgs)
