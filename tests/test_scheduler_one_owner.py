@@ -176,8 +176,11 @@ async def test_a_worker_killed_while_joining_leaves_the_scheduler_group_settling
         async def settled() -> bool:
             info = await describe_group(settings, group)
             holding = [m for m in info.members if any(m.assignment.values())]
+            # and both members know it (w2's SyncGroup answer may still be on its way when
+            # the coordinator already says Stable: its generation reads -1 until then)
             return (info.state == "Stable" and len(info.members) == 2 and len(holding) == 1
-                    and holding[0].client_id.endswith("-w1"))
+                    and holding[0].client_id.endswith("-w1")
+                    and w1._coordinator.generation == w2._coordinator.generation >= 0)
         await _wait(settled, "the group to settle with w1 owning everything", timeout=45)
 
         # then it stays settled: no new generation over 10 heartbeats of both members
