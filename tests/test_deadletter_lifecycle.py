@@ -68,6 +68,18 @@ async def _redriven_records(settings: Settings) -> list[tuple[int, int]]:
     return sorted((r.partition, r.offset) for recs in consumer_parts.values() for r in recs)
 
 
+def _records_once_stable(settings: Settings, at_least: int) -> list[tuple[int, int]]:
+    """The input's records once ``at_least`` are readable: a transactional write's records
+    become readable (read_committed) only when its commit markers land, a moment after the
+    writer's commit returned."""
+    deadline = time.monotonic() + 15
+    while True:
+        got = asyncio.run(_redriven_records(settings))
+        if len(got) >= at_least or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
 def test_redrive_once_per_source_refuses_permanent_is_idempotent_and_resolve_lists(
         kafka_broker: Any, unique_name: str) -> None:
     settings = settings_for(kafka_broker.bootstrap, unique_name)
@@ -128,7 +140,7 @@ def test_redrive_once_per_source_refuses_permanent_is_idempotent_and_resolve_lis
     assert "permanent failure" in refused[0]
     assert "2 source record(s) re-driven for 4 dead letter(s); 1 refused" in first.stderr
 
-    after = asyncio.run(_redriven_records(settings))
+    after = _records_once_stable(settings, len(before) + 2)
     assert len(after) == len(before) + 2
 
     async def headers() -> list[bytes]:
