@@ -217,7 +217,10 @@ async def _outage_acks(broker: LocalBroker, unique_name: str, after: str
             up = threading.Thread(target=broker.start, args=(120,))
             up.start()
             up.join()  # blocks A's loop: a long training step
-            time.sleep(14)
+            # beyond the session timeout (10 s) counted from when the restarted broker has
+            # loaded the group, which may be seconds after it answers (a loaded box: 14 s
+            # here was too short once in a fresh-clone run)
+            time.sleep(25)
             async for ep in a.episodes(idle_timeout=8):
                 await a.ack(ep)
         # B takes A's partition (A's session ends 10 s after the broker is back) and reads it
