@@ -77,7 +77,7 @@ async def test_an_idle_worker_commits_past_commit_markers_so_its_lag_reads_0(
         kafka_broker: Any, unique_name: str) -> None:
     SEEN.clear()
     settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=PARTITIONS)
-    settings.scheduler.tick_interval_ms = 200
+    settings.scheduler.tick_interval_ms = 500  # the default is 1 s
     in_topic, tick_topic = f"{unique_name}.in", f"{unique_name}.ticks"
     await ensure_topics(settings, [TopicSpec(in_topic, PARTITIONS, "test input", "key"),
                                    TopicSpec(tick_topic, 1, "test ticks", "key")])

@@ -770,12 +770,14 @@ class Runner:
                     ages = [now_ms - m.timestamp for msgs in batch.values() for m in msgs]
                     self._stats["age_ms"] += sum(ages)
                     self._stats["age_max_ms"] = max(self._stats["age_max_ms"], max(ages))
-                if time.monotonic() >= pass_markers_at:  # no input but ticks for a while
-                    await self._commit_passed()
-                    pass_markers_at = time.monotonic() + PASS_MARKERS_AFTER_S
                 if not batch:
                     if until_idle is not None and time.monotonic() - idle_since > until_idle:
                         break
+                    # no input but ticks for a while; checked on an empty poll only, when
+                    # nothing fetched is left unprocessed (the position must not pass it)
+                    if time.monotonic() >= pass_markers_at:
+                        await self._commit_passed()
+                        pass_markers_at = time.monotonic() + PASS_MARKERS_AFTER_S
                     continue
                 if any(m.key != TICK_KEY for msgs in batch.values() for m in msgs):
                     idle_since = time.monotonic()
