@@ -24,7 +24,7 @@ failed on a refused connection. A broker that comes back is reconnected to withi
 The backoff arithmetic is :class:`ReconnectBackoff` (time passed in, no clock inside).
 :func:`install` wraps aiokafka's ``create_conn`` (every attempt, bootstrap included, records
 its outcome) and ``AIOKafkaClient._get_conn`` (where an attempt may be refused), once per
-process.
+process; it also paces failed metadata updates (:func:`_pace_failed_metadata_updates`).
 """
 
 from __future__ import annotations
@@ -181,6 +181,32 @@ def _wrap_aiokafka() -> None:
     _get_conn.__wrapped__ = original_get  # type: ignore[attr-defined]
     client_module.create_conn = create_conn
     AIOKafkaClient._get_conn = _get_conn
+    _pace_failed_metadata_updates(AIOKafkaClient)
+
+
+def _pace_failed_metadata_updates(client_class: Any) -> None:
+    """A failed metadata update returns after the client's ``retry_backoff_ms``.
+
+    aiokafka's fetcher, while a partition has no known leader, asks for an update and waits
+    only for that update (aio-libs/aiokafka#1155 is the same loop for fetch errors); with
+    every broker away -- or held back by the backoff above, which answers at once -- each
+    update fails at once and the fetcher loops without a pause, logging "Unable to update
+    metadata" each time. Paced, a failing client makes at most one update per
+    ``retry_backoff_ms``; a successful update is never delayed."""
+    original_update = getattr(client_class, "_metadata_update", None)
+    if not callable(original_update):
+        log.warning("aiokafka %s has no AIOKafkaClient._metadata_update: failed metadata "
+                    "updates are not paced", _aiokafka_version())
+        return
+
+    async def _metadata_update(self: Any, cluster_metadata: Any, topics: Any) -> Any:
+        updated = await original_update(self, cluster_metadata, topics)
+        if not updated:
+            await asyncio.sleep(getattr(self, "_retry_backoff", 0.1))
+        return updated
+
+    _metadata_update.__wrapped__ = original_update  # type: ignore[attr-defined]
+    client_class._metadata_update = _metadata_update
 
 
 def _aiokafka_version() -> str:

@@ -168,3 +168,17 @@ def test_a_max_below_the_base_is_refused_with_what_to_set() -> None:
     with pytest.raises(ValueError, match="RECONNECT_BACKOFF_MS=0"):
         KafkaSettings(reconnect_backoff_ms=500, reconnect_backoff_max_ms=100)
     assert KafkaSettings(reconnect_backoff_ms=0, reconnect_backoff_max_ms=0)
+
+
+async def test_a_client_asking_for_metadata_in_a_loop_is_paced_while_the_broker_is_away(
+        client: AIOKafkaClient, attempts: list[float]) -> None:
+    # the fetcher's shape while a partition has no leader: ask for an update, wait for it, ask
+    # again; every update fails at once (refused, then held back by the backoff)
+    client._sync_task = asyncio.get_running_loop().create_task(client._md_synchronizer())
+    updates = 0
+    started = time.monotonic()
+    while time.monotonic() - started < 0.5:
+        assert await client.force_metadata_update() is False
+        updates += 1
+    # one update per retry_backoff_ms (100): 5-6 in 0.5 s, never thousands
+    assert 2 <= updates <= 7, updates
