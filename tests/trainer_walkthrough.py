@@ -103,6 +103,8 @@ def trainer_main(args: argparse.Namespace) -> int:
     SIGTERM: finish the current step, stop the client, exit 0."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # the evidence of a failed run: each acknowledgement, commit and partition taken
+    logging.getLogger("trajbus.consumers.replay.client").setLevel(logging.DEBUG)
     settings = settings_for(args.bootstrap, args.prefix, partitions=PARTITIONS)
     journal = _Journal(Path(args.journal), args.name)
     stop = threading.Event()

@@ -1263,6 +1263,10 @@ class ReplayClient:
                 void = True
                 continue
             owner = self._handed_out.get(tp, {}).pop(seg.offset, None)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("replay client %s: ack %s[%d]@%d tenure %d (commit point %d)",
+                          self.group_id, tp.topic, tp.partition, seg.offset, progress.epoch,
+                          progress.committed)
             if progress.ack(seg.offset):
                 # committed now even when it is beyond the commit point (in the metadata): a
                 # restart, or the partition's next owner, must not deliver it again
@@ -1385,6 +1389,11 @@ class ReplayClient:
                 progress = _PartitionProgress.from_commit(om.offset, om.metadata or "",
                                                           self._tenures)
             self._progress[tp] = progress
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("replay client %s: took %s[%d] at %s, carried %s, tenure %d",
+                          self.group_id, tp.topic, tp.partition,
+                          None if om is None else om.offset, progress.carried[:20],
+                          progress.epoch)
         return progress
 
     async def _fetch_committed(self, tp: TopicPartition) -> OffsetAndMetadata | None:
@@ -1582,6 +1591,10 @@ class ReplayClient:
                             "partition's next owner delivers them again", self.group_id,
                             p.metadata_cut)
         if offsets:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("replay client %s: committing %s", self.group_id,
+                          {f"{tp.topic}[{tp.partition}]": (p.committed, p.beyond()[:20])
+                           for tp, p in held})
             await self._consumer.commit(offsets)
             for (tp, p), n in zip(held, acks, strict=True):
                 p.durable = max(p.durable, n)
