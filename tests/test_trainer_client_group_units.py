@@ -13,12 +13,14 @@ import random
 
 import pytest
 from aiokafka import TopicPartition
+from aiokafka.structs import OffsetAndMetadata
 
 from trajbus.consumers.replay.client import (
     Episode,
     ReplayClient,
     Segment,
     _PartitionProgress,
+    _StartAt,
     encode_acked_beyond,
     fragment_reason,
     parse_acked_beyond,
@@ -265,3 +267,59 @@ def test_a_coalesced_ack_the_revocation_commit_carried_counts_though_the_partiti
         return result
 
     assert asyncio.run(run()) is True
+
+
+# -- a partition kept across a rebalance ---------------------------------------------------
+def _take_again(progress: _PartitionProgress, group_commit: OffsetAndMetadata | Exception | None
+                ) -> bool:
+    """Whether this member still holds ``progress`` after a rebalance that assigned it the
+    partition again, the group's commit of it being ``group_commit`` now."""
+
+    async def run() -> bool:
+        client = ReplayClient("t", "g")
+
+        class Consumer:
+            def assignment(self) -> set[TopicPartition]:
+                return {TP}
+
+        async def fetch_committed(tp: TopicPartition) -> OffsetAndMetadata | None:
+            if isinstance(group_commit, Exception):
+                raise group_commit
+            return group_commit
+
+        client._consumer = Consumer()  # type: ignore[assignment]
+        client._fetch_committed = fetch_committed  # type: ignore[method-assign]
+        client._progress[TP] = progress
+        await _StartAt(client)._take([TP])
+        return client._progress.get(TP) is progress
+
+    return asyncio.run(run())
+
+
+def test_a_partition_kept_while_the_group_had_no_commit_stays_this_members() -> None:
+    assert _take_again(_PartitionProgress(0, epoch=1), None) is True
+
+
+def test_a_partition_kept_whose_commit_is_still_this_tenures_stays_this_members() -> None:
+    progress = _PartitionProgress.from_commit(40, "", epoch=1)
+    progress.ack(40)
+    progress.advance()
+    progress.last_committed = (41, "")  # its commit succeeded
+    assert _take_again(progress, OffsetAndMetadata(41, "")) is True
+
+
+def test_a_tenure_that_began_without_a_commit_is_stale_once_another_member_committed() -> None:
+    """This member read from the beginning of a new group's partition, acknowledged up to 100
+    without a commit reaching the group (it was evicted), and another member took the
+    partition meanwhile and committed 40 with what it acknowledged beyond. Kept, this
+    member's progress would skip nothing of the other's and deliver its episodes again."""
+    progress = _PartitionProgress(0, epoch=1)
+    for offset in range(100):
+        progress.ack(offset)
+    progress.advance()
+    assert _take_again(progress, OffsetAndMetadata(40, encode_acked_beyond([(41, 90)], 40)[0])
+                       ) is False
+
+
+def test_a_partition_whose_group_commit_cannot_be_read_is_given_up() -> None:
+    assert _take_again(_PartitionProgress(0, epoch=1), RuntimeError("coordinator away")) is False

@@ -338,8 +338,8 @@ class _PartitionProgress:
         self.durable = 0  # of those, how many a successful commit carried
         self.promised = 0  # of those, how many an ack() returned True for before a commit
         # carried them (coalesced commits)
-        self.last_committed: tuple[int, str] | None = None  # (offset, metadata) the group
-        # has from this tenure (or had when it began)
+        self.last_committed: tuple[int, str] = _NO_COMMIT  # (offset, metadata) the group
+        # has from this tenure (or had when it began; _NO_COMMIT: none)
         self.metadata_cut = 0  # runs left out of the last metadata (too long)
 
     @classmethod
@@ -425,6 +425,7 @@ class _PartitionProgress:
 
 
 _NO_END = 2**63
+_NO_COMMIT = (-1, "")  # a partition's last commit known to a tenure when the group had none
 _RUNS_TAG = "r1:"
 
 
@@ -1344,7 +1345,11 @@ class ReplayClient:
         for tp, offset in targets.items():
             self._consumer.seek(tp, offset)
             self._tenures += 1
-            self._progress[tp] = _PartitionProgress(offset, epoch=self._tenures)
+            progress = _PartitionProgress(offset, epoch=self._tenures)
+            seen = self._committed_at_start.get(tp)
+            if seen is not None:  # what a later rebalance compares the group's commit with
+                progress.last_committed = (seen.offset, seen.metadata or "")
+            self._progress[tp] = progress
             self._positioned.add(tp)
 
     async def _position_pending(self) -> None:
@@ -1667,19 +1672,28 @@ class _StartAt(ConsumerRebalanceListener):
         # e.g. its loop blocked beyond the session timeout): if the group's commit is not the
         # last this tenure made (or saw at its start), ours is stale -- never commit it (that
         # would move the group back, or drop the other member's acknowledgements beyond it).
+        # A tenure that began with no commit in the group and made none is stale as soon as
+        # the group has one. The group's commit unreadable: ours is given up too (its records
+        # are read again from the group's commit -- never delivered twice by two members).
         consumer = client._consumer
         for tp in [tp for tp in client._progress if tp in kept]:
             if consumer is None:
                 break
             progress = client._progress[tp]
-            with contextlib.suppress(Exception):  # unknown: keep ours (the usual case)
+            try:
                 om = await client._fetch_committed(tp)
-                if om is None:
-                    continue
-                if (om.offset > progress.committed or (
-                        progress.last_committed is not None
-                        and (om.offset, om.metadata or "") != progress.last_committed)):
-                    gone.append(tp)
+            except Exception as exc:
+                log.warning("replay client %s: the group's commit of %s[%d] could not be read "
+                            "(%s: %s); this member's progress on it is given up and its "
+                            "records are read again from the group's commit", client.group_id,
+                            tp.topic, tp.partition, type(exc).__name__, exc)
+                gone.append(tp)
+                continue
+            if om is None:
+                continue  # none, or gone (expired): nobody else committed since
+            if (om.offset > progress.committed
+                    or (om.offset, om.metadata or "") != progress.last_committed):
+                gone.append(tp)
         # the episodes an iterator holds open on those partitions are not this member's to
         # complete: their segments are read again from the group's commit if they come back
         log.info("replay client %s: %d partition(s) assigned; %d kept, %d given up (%s)",
