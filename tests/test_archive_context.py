@@ -28,7 +28,7 @@ from trajbus.archive.context import (
 )
 from trajbus.archive.maintenance import compact, retention
 from trajbus.archive.query import ArchiveReader
-from trajbus.archive.storage import LocalStore, ObjectStore
+from trajbus.archive.storage import LocalStore, ObjectStore, open_store
 from trajbus.archive.synth import ContextFleet, context_fleet
 from trajbus.bus.settings import ArchiveSettings
 from trajbus.schemas.models import Event
@@ -158,8 +158,23 @@ def archive(store: ObjectStore, tmp_path: Path, f: ContextFleet, twice: bool = F
     return rejected
 
 
-def test_context_topics_land_in_their_own_areas_once_each(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path / "archive")
+@pytest.fixture(params=["local", "s3"])
+def context_store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    """An empty archive on local disk, and one on a loopback S3 server (the views and the
+    context read S3 through pyarrow's S3 filesystem, not DuckDB's own reader)."""
+    if request.param == "local":
+        return LocalStore(tmp_path / "archive")
+    import boto3
+
+    endpoint = request.getfixturevalue("s3_server")
+    bucket = f"ctx-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+    return open_store(f"s3://{bucket}/trajbus/archive", endpoint)
+
+
+def test_context_topics_land_in_their_own_areas_once_each(tmp_path: Path,
+                                                          context_store: ObjectStore) -> None:
+    store = context_store
     f = context_fleet(t0_ms=T0)
     assert archive(store, tmp_path, f, twice=True) == []
     keys = [o.key for o in store.list("")]
@@ -198,8 +213,8 @@ def test_context_topics_land_in_their_own_areas_once_each(tmp_path: Path) -> Non
 
 
 def test_context_of_an_episode_answers_outcome_decisions_alerts_and_dead_letters(
-        tmp_path: Path) -> None:
-    store = LocalStore(tmp_path / "archive")
+        tmp_path: Path, context_store: ObjectStore) -> None:
+    store = context_store
     f = context_fleet(t0_ms=T0)
     archive(store, tmp_path, f)
     reader = ArchiveReader(store)
