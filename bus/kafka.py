@@ -20,6 +20,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaConnectionError, NodeNotReadyError, RequestTimedOutError
 
 from trajbus.bus.closing import close_client
+from trajbus.bus.offset_fetch import install as install_offset_fetch_check
 from trajbus.bus.reconnect import install as install_reconnect_backoff
 from trajbus.bus.settings import KafkaSettings
 
@@ -64,8 +65,10 @@ def _keep_chosen_order() -> None:
 
 def connection_options(k: KafkaSettings) -> dict[str, Any]:
     """Options common to aiokafka producers, consumers and admin clients. Building them also
-    applies the reconnect backoff to the process's aiokafka clients (``bus/reconnect.py``)."""
+    applies the reconnect backoff to the process's aiokafka clients (``bus/reconnect.py``)
+    and the check of OffsetFetch's request-level errors (``bus/offset_fetch.py``)."""
     install_reconnect_backoff(k.reconnect_backoff_ms, k.reconnect_backoff_max_ms)
+    install_offset_fetch_check()
     _keep_chosen_order()
     opts: dict[str, Any] = {
         "bootstrap_servers": _BOOTSTRAP_ORDER.get(k.bootstrap_servers, k.bootstrap_servers),
