@@ -28,11 +28,9 @@ Guarantees
   ``stats["acks_lost_at_stop"]``) and logged (WARNING), never silent.
 * **Per-ack commits** (``commit_every_ms=0``): every :meth:`ReplayClient.ack` returns once
   its commit is done; a trainer that crashes and resumes sees neither a gap nor a second copy
-  of what it acknowledged. The default until 2026-12-05; bench/bench_trainer_commit.py
-  measured its cost: acknowledging live-sized (one-event) segments one by one, catch-up ran
-  ~17x slower than with a commit every 100 ms (90 % of the time inside ``ack``), ~1.8x
-  acknowledging whole episodes; over a network each commit costs the trainer a round trip.
-  At 2,000 events/s live the latency was the same (BENCHMARKS.md, "Live latency").
+  of what it acknowledged. Each ``ack`` costs a commit round trip: catching up on live-sized
+  (one-event) segments is many times slower than with coalesced commits (the README's
+  trainer section has the figures).
 * **Through rebalances** (a broker outage longer than the session timeout makes the consumer
   rejoin; a trainer joins or leaves the group): a commit refused meanwhile is made again once
   the group has settled (for up to :data:`REBALANCE_COMMIT_TIMEOUT_S`, then the call raises;
@@ -126,22 +124,15 @@ Use :class:`ReplayClient` from asyncio, :class:`SyncReplayClient` from plain Pyt
 from __future__ import annotations
 
 import asyncio
-import base64
-import bisect
-import concurrent.futures
 import contextlib
-import json
 import logging
 import re
-import sys
-import threading
-import zlib
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError
 from aiokafka.structs import OffsetAndMetadata
 
@@ -152,20 +143,26 @@ from trajbus.bus.positions import StartPosition, parse_start, resolve_offsets
 from trajbus.bus.settings import Settings, get_settings
 from trajbus.bus.topics import Topics, validate_name
 from trajbus.consumers.replay import notices, ratelimit
+from trajbus.consumers.replay.items import Episode, FlowControlError, Segment, fragment_reason
+from trajbus.consumers.replay.progress import (
+    _PartitionProgress,
+    encode_acked_beyond,
+    parse_acked_beyond,
+)
+from trajbus.consumers.replay.rebalance import _GroupRebalancing, _StartAt
 from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
+
+if TYPE_CHECKING:
+    from trajbus.consumers.replay.sync import SyncReplayClient
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-_SYNC_CLOSE_TIMEOUT_S = 10.0
 _REMEMBERED = 200_000  # episodes whose delivery state the client keeps (bounded memory)
 # How long a commit refused because the group rebalanced under it (after a broker outage
 # longer than the session timeout, or a member joining or leaving) is tried again, once the
 # group has settled, before the trainer's call raises it.
 REBALANCE_COMMIT_TIMEOUT_S = 300.0  # aiokafka's default max_poll_interval: a rebalance's bound
 _REBALANCE_RETRY_S = 0.2
-_REVOKE_COMMIT_TIMEOUT_S = 10.0  # a revocation's commit (the group's rebalance waits for it)
 _COMMITTER_TURN_S = 0.001  # coalesced commits: an ack yields to the committer this often
 _COMMIT_TURN_WAIT_S = 0.005  # ... and waits this long, once per commit, for one under way
 # A loop held at ``max_in_flight`` logs a WARNING after this long without an acknowledgement,
@@ -180,7 +177,6 @@ DEFAULT_COMMIT_EVERY_MS = 100.0
 bench/bench_trainer_commit.py."""
 STOP_COMMIT_TIMEOUT_S = 10.0
 """How long ``stop()`` tries its last commit (the broker away: aiokafka retries for ever)."""
-_METADATA_LIMIT = 3500  # below Kafka's default offset.metadata.max.bytes (4096)
 ALL_TASKS = "*"
 """``ReplayClient(ALL_TASKS, ...)``: every task's replay topic, present and future (the
 operators' ``debug-*`` republish topics excepted)."""
@@ -217,294 +213,6 @@ def replay_topic_pattern(settings: Settings, tasks: Iterable[str] | str,
         raise ValueError("subscribe to at least one task, ALL_TASKS ('*') or a task_pattern")
     prefix = re.escape(f"{settings.topics.prefix}.replay.")
     return f"^{prefix}(?:{'|'.join(alternatives)})$"
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A contiguous run of one episode's events, decoded, in sequence order."""
-
-    task: str
-    sandbox: str
-    episode: str
-    index: int
-    first_seq: int
-    last_seq: int
-    events: list[Decoded]
-    gap: tuple[int, int] | None
-    is_first: bool
-    is_last: bool
-    is_terminal: bool
-    topic: str
-    partition: int
-    offset: int
-    timestamp_ms: int = 0
-    """The replay record's Kafka timestamp: when the reorder worker wrote the segment."""
-    _tenure: int = field(default=0, repr=False, compare=False)
-    # which tenure of its partition by this client handed it out (its ack counts only in it)
-
-    @property
-    def truncated(self) -> bool:
-        return self.is_last and not self.is_terminal
-
-
-@dataclass
-class Episode:
-    """An episode assembled from its segments, handed out once its last segment arrived.
-
-    ``complete``: it holds the episode from its first segment (seq 0, EpisodeStart) to its
-    last, none missing -- the usual case. Otherwise it is a *fragment*, and
-    ``fragment_reason`` says why: ``"started_mid_episode"`` (the client began reading the
-    partition after the episode's first segment: a ``start=`` time or ``"latest"`` fell
-    inside it, or retention deleted its beginning) or ``"missing_segments"`` (a segment
-    between its first and last is not there). A member that takes a partition over from
-    another never makes fragments: it reads from the group's commit, which never passes the
-    first segment of an episode not acknowledged. ``gaps`` (events the reorder engine
-    declared lost upstream) and ``truncated`` (ended without a TERMINAL EpisodeEnd) are about
-    the episode's content, not its delivery: a complete episode may have either."""
-
-    task: str
-    sandbox: str
-    episode: str
-    events: list[Decoded] = field(default_factory=list)
-    segments: list[Segment] = field(default_factory=list)
-    gaps: list[tuple[int, int]] = field(default_factory=list)
-    is_terminal: bool = False
-
-    @property
-    def truncated(self) -> bool:
-        return not self.is_terminal
-
-    @property
-    def complete(self) -> bool:
-        """Every segment from the episode's first to its last is here (see the class)."""
-        return self.fragment_reason is None
-
-    @property
-    def fragment_reason(self) -> str | None:
-        """None for a complete episode; else why it is a fragment (see the class)."""
-        return fragment_reason(self.segments)
-
-
-def fragment_reason(segments: list[Segment]) -> str | None:
-    """Why ``segments`` (one episode's, in order) are not the whole episode from its first
-    segment to its last, or None. Sequences are followed, events and declared gaps alike: each
-    segment must start at or before the seq after the previous one's last."""
-    if not segments or not segments[0].is_first:
-        return "started_mid_episode"
-    expected = 0
-    for seg in segments:
-        lo = seg.gap[0] if seg.gap else seg.first_seq if seg.events else None
-        if lo is not None and lo > expected:
-            return "missing_segments"
-        if seg.gap:
-            expected = max(expected, seg.gap[1] + 1)
-        if seg.events:
-            expected = max(expected, seg.last_seq + 1)
-    if not segments[-1].is_last:
-        return "missing_segments"
-    return None
-
-
-class FlowControlError(RuntimeError):
-    """A loop waited ``flow_control_timeout_s`` at ``max_in_flight`` for acknowledgements that
-    did not come: the segments handed out and not acknowledged hold the limit."""
-
-
-class _PartitionProgress:
-    """Which offsets of one partition are acknowledged; what may be committed.
-
-    One object per *tenure*: from the moment this member takes the partition (``epoch``, a
-    number the client gives each) until it loses it. What was handed out under an earlier
-    tenure is not this one's: its acknowledgement is void (the partition's next owner
-    delivers it again)."""
-
-    def __init__(self, committed: int, carried: Iterable[tuple[int, int]] = (),
-                 epoch: int = 0) -> None:
-        self.committed = committed  # next offset to read after a restart
-        self.epoch = epoch
-        self.acked: set[int] = set()
-        # Runs [start, end) beyond the commit point that the group's commit metadata says are
-        # passed (acknowledged, or holding nothing) -- by an earlier run or another member
-        self.carried: list[tuple[int, int]] = _merge_runs(
-            (max(a, committed), b) for a, b in carried if b > committed)
-        # Offsets that hold no record for this reader: a transaction's commit marker (one per
-        # transaction of the worker's transactional producer), an aborted transaction's
-        # records, offsets compacted away. The commit point passes them; without that it
-        # stopped at the first marker for good (finding AE). start -> end of each such run.
-        self.holes: dict[int, int] = {}
-        self.read_to = committed  # offset after the last record read (where the fetch is)
-        self._prune_at = 1024
-        self.acks = 0  # acknowledgements recorded (each new one counts)
-        self.durable = 0  # of those, how many a successful commit carried
-        self.promised = 0  # of those, how many an ack() returned True for before a commit
-        # carried them (coalesced commits)
-        self.last_committed: tuple[int, str] = _NO_COMMIT  # (offset, metadata) the group
-        # has from this tenure (or had when it began; _NO_COMMIT: none)
-        self.metadata_cut = 0  # runs left out of the last metadata (too long)
-
-    @classmethod
-    def from_commit(cls, offset: int, metadata: str, epoch: int = 0) -> _PartitionProgress:
-        """The progress the group's commit (offset and metadata) stands for."""
-        progress = cls(offset, parse_acked_beyond(metadata, offset), epoch)
-        progress.last_committed = (offset, metadata)
-        return progress
-
-    def note_read(self, offset: int) -> None:
-        """A record at ``offset`` was fetched. Read in order from ``read_to``, the offsets
-        skipped on the way hold nothing this reader can get (a fetch returns the first
-        deliverable record at or after its position). An earlier offset is a re-read after
-        a seek back: reading goes on in order from there."""
-        if offset > self.read_to:
-            self.holes[self.read_to] = offset
-        elif offset < self.read_to and self.holes:
-            # learnt again on the way from here (and not trusted over a rewritten log)
-            self.holes = {a: b for a, b in self.holes.items() if a < offset}
-        self.read_to = offset + 1
-
-    def ack(self, offset: int) -> bool:
-        """Record an acknowledgement; True when it is new (the commit's offset or its
-        metadata changes)."""
-        if offset >= self.committed and offset not in self.acked and not self._carried(offset):
-            self.acked.add(offset)
-            self.acks += 1
-            return True
-        return False
-
-    def _carried(self, offset: int) -> bool:
-        runs = self.carried
-        if not runs:
-            return False
-        i = bisect.bisect_right(runs, (offset, _NO_END)) - 1
-        return i >= 0 and runs[i][0] <= offset < runs[i][1]
-
-    def skip_on_restart(self, offset: int) -> bool:
-        # below the commit point too: acknowledged beyond it at the start, then passed by it
-        # when the segments before it were acknowledged in this run
-        return offset < self.committed or offset in self.acked or self._carried(offset)
-
-    def advance(self) -> bool:
-        """Move the commit point over contiguous acknowledged offsets, the holes between
-        them and the runs carried from the group's commit. True when it moved."""
-        moved = False
-        carried = self.carried
-        while True:
-            if self.committed in self.acked:
-                self.acked.discard(self.committed)
-                self.committed += 1
-            elif self.committed in self.holes:
-                self.committed = max(self.committed, self.holes.pop(self.committed))
-            elif carried and carried[0][0] <= self.committed:
-                self.committed = max(self.committed, carried.pop(0)[1])
-            else:
-                break
-            moved = True
-        if len(self.holes) > self._prune_at:  # those behind the commit point are never
-            self.holes = {a: b for a, b in self.holes.items() if b > self.committed}
-            self._prune_at = max(1024, 2 * len(self.holes))  # looked up: amortised
-        return moved
-
-    def beyond(self) -> list[tuple[int, int]]:
-        """The runs [start, end) beyond the commit point that are passed: acknowledged offsets,
-        carried runs, and the holes between them (a reader skips a hole anyway)."""
-        runs = _merge_runs([(o, o + 1) for o in self.acked]
-                           + [r for r in self.carried if r[1] > self.committed])
-        if not runs:
-            return []
-        hi = runs[-1][1]
-        holes = [(max(a, self.committed), min(b, hi)) for a, b in self.holes.items()
-                 if b > self.committed and a < hi]
-        return _merge_runs(runs + holes) if holes else runs
-
-    def metadata(self) -> str:
-        """The commit's metadata: the runs beyond the commit point that are passed, so that a
-        trainer resuming -- this one restarted, or another member the partition moves to --
-        skips them (see :func:`encode_acked_beyond`). Runs that do not fit are left out (the
-        highest first; ``metadata_cut`` counts them): they are delivered again."""
-        text, self.metadata_cut = encode_acked_beyond(self.beyond(), self.committed)
-        return text
-
-
-_NO_END = 2**63
-_NO_COMMIT = (-1, "")  # a partition's last commit known to a tenure when the group had none
-_RUNS_TAG = "r1:"
-
-
-def _merge_runs(runs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, non-overlapping, non-adjacent runs [start, end) covering ``runs``."""
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(r for r in runs if r[1] > r[0]):
-        if out and a <= out[-1][1]:
-            if b > out[-1][1]:
-                out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-def _varint(out: bytearray, n: int) -> None:
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return
-
-
-def encode_acked_beyond(runs: list[tuple[int, int]], committed: int,
-                        limit: int = 0) -> tuple[str, int]:
-    """Commit metadata for the passed runs beyond ``committed``: ``"r1:"`` and the base64 of
-    the zlib-compressed varints (gap from the previous run's end, length) of each run -- a
-    few bytes per run whatever its length (the offsets of thousands of acknowledged live
-    segments fit). Returns the text and how many runs were left out to keep it under
-    ``limit`` (default: Kafka's default ``offset.metadata.max.bytes`` with a margin); the
-    highest go first, and are delivered again to the next reader."""
-    limit = limit or _METADATA_LIMIT
-    if not runs:
-        return "", 0
-    keep = len(runs)
-    while True:
-        out = bytearray()
-        prev = committed
-        for a, b in runs[:keep]:
-            _varint(out, a - prev)
-            _varint(out, b - a)
-            prev = b
-        text = _RUNS_TAG + base64.b64encode(zlib.compress(bytes(out), 9)).decode()
-        if len(text) <= limit or keep == 0:
-            return (text if keep else ""), len(runs) - keep
-        keep = keep * limit // len(text) if keep > 1 else 0  # proportionally fewer
-
-
-def parse_acked_beyond(metadata: str, committed: int) -> list[tuple[int, int]]:
-    """The passed runs a commit's metadata names (:func:`encode_acked_beyond`; also the JSON
-    list of offsets clients wrote before 2026-12-05). Unreadable metadata names none."""
-    if not metadata:
-        return []
-    try:
-        if metadata.startswith(_RUNS_TAG):
-            data = zlib.decompress(base64.b64decode(metadata[len(_RUNS_TAG):]))
-            nums: list[int] = []
-            n = shift = 0
-            for byte in data:
-                n |= (byte & 0x7F) << shift
-                shift += 7
-                if not byte & 0x80:
-                    nums.append(n)
-                    n = shift = 0
-            runs = []
-            prev = committed
-            for gap, length in zip(nums[::2], nums[1::2], strict=False):
-                start = prev + gap
-                prev = start + length
-                runs.append((start, prev))
-            return runs
-        return _merge_runs((int(x), int(x) + 1) for x in json.loads(metadata))
-    except (ValueError, TypeError, zlib.error):
-        log.warning("unreadable commit metadata %r: ignored (what it named is read again)",
-                    metadata[:80])
-        return []
 
 
 @dataclass
@@ -1381,9 +1089,8 @@ class ReplayClient:
     async def _progress_for(self, tp: TopicPartition) -> _PartitionProgress:
         """This tenure's progress of ``tp``; a partition just taken starts from the group's
         commit *and its metadata*: the runs beyond the commit point that the member before
-        acknowledged are skipped (before 2026-12-05 only the metadata found at ``start()``
-        was read, so a member taking a partition over delivered again every episode the other
-        had acknowledged beyond its commit point, some as fragments)."""
+        acknowledged are skipped, so a member taking a partition over delivers nothing the
+        other acknowledged."""
         progress = self._progress.get(tp)
         if progress is None:
             om = await self._fetch_committed(tp)
@@ -1520,10 +1227,9 @@ class ReplayClient:
         """Coalesced commits, from the trainer's ack: the ack that finds a commit due starts
         it, and drives it for up to ``_COMMIT_TURN_WAIT_S`` (the few turns of the event loop
         its I/O takes -- not a round trip per ack: once per commit); while it is under way,
-        an ack gives it a turn at most every ``_COMMITTER_TURN_S``. The background committer
-        alone got no turn while a loop handed out records already fetched and trained without
-        awaiting: no commit was made until the fetch ran dry (a whole backlog uncommitted;
-        bench_trainer_commit). It still commits what is acknowledged last."""
+        an ack gives it a turn at most every ``_COMMITTER_TURN_S``: a loop that hands out
+        records already fetched and trains without awaiting still commits every N ms. The
+        background committer commits what is acknowledged last."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         task = self._commit_task
@@ -1614,231 +1320,17 @@ def _count_delivered(stats: dict[str, int], segments: list[Segment]) -> None:
     stats["events"] += sum(len(seg.events) for seg in segments)
 
 
-class _GroupRebalancing(Exception):
-    """Partitions revoked, the new assignment not yet received: commit after it."""
+def __getattr__(name: str) -> Any:
+    # SyncReplayClient lives in sync.py, which imports this module: loaded on first use
+    if name == "SyncReplayClient":
+        from trajbus.consumers.replay.sync import SyncReplayClient
 
+        return SyncReplayClient
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-class _StartAt(ConsumerRebalanceListener):
-    def __init__(self, client: ReplayClient) -> None:
-        self.client = client
-
-    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
-        # what was acknowledged is committed before another member may take the partitions:
-        # after a commit under way (the rebalance waits for this, so for a bounded time), one
-        # attempt; what it cannot carry is lost to the partitions' next readers (counted when
-        # a partition goes: stats["acks_lost_in_rebalance"]). Before 2026-12-05 no commit was
-        # made here while one was under way, and acknowledgements made meanwhile went with
-        # the partition.
-        client = self.client
-        # first, before any await: a fetch returned before this point read positions the
-        # new assignment resets (aiokafka's getmany waits from here until it is made)
-        client._revocations += 1
-        client._settled.clear()
-        outcome = "nothing to commit"
-        if client._commit_error is None:
-            try:
-                await asyncio.wait_for(client._commit_acknowledged(retry_rebalance=False),
-                                       _REVOKE_COMMIT_TIMEOUT_S)
-                outcome = "acknowledgements committed"
-            except Exception as exc:  # the next owner reads from the group's last commit
-                outcome = "commit failed"
-                log.warning("replay client %s: the commit at revocation failed (%s: %s)",
-                            client.group_id, type(exc).__name__, exc)
-        else:
-            outcome = f"no commit ({type(client._commit_error).__name__} pending)"
-        log.info("replay client %s: %d partition(s) revoked (%s)", client.group_id,
-                 len(revoked), outcome)
-        client._rebalancing = True
-
-    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
-        try:
-            await self._take(assigned)
-        finally:
-            # only now, after the start positions: until then a fetch is read again
-            # (see _read_segments), and commits wait
-            self.client._rebalancing = False
-            self.client._settled.set()
-
-    async def _take(self, assigned: list[TopicPartition]) -> None:
-        # Partitions another member holds now: their progress goes (it commits them; a
-        # partition that comes back later starts from the group's commit, never from ours).
-        # What this member handed out of them is not its own any more (see ReplayClient._lose:
-        # acknowledging it returns False; should a partition come back, its records are
-        # delivered again unless the group's commit passed them).
-        client = self.client
-        kept = set(assigned)
-        gone = [tp for tp in client._progress if tp not in kept]
-        # A partition kept may have been another member's meanwhile (this one was evicted,
-        # e.g. its loop blocked beyond the session timeout): if the group's commit is not the
-        # last this tenure made (or saw at its start), ours is stale -- never commit it (that
-        # would move the group back, or drop the other member's acknowledgements beyond it).
-        # A tenure that began with no commit in the group and made none is stale as soon as
-        # the group has one. The group's commit unreadable: ours is given up too (its records
-        # are read again from the group's commit -- never delivered twice by two members).
-        consumer = client._consumer
-        for tp in [tp for tp in client._progress if tp in kept]:
-            if consumer is None:
-                break
-            progress = client._progress[tp]
-            try:
-                om = await client._fetch_committed(tp)
-            except Exception as exc:
-                log.warning("replay client %s: the group's commit of %s[%d] could not be read "
-                            "(%s: %s); this member's progress on it is given up and its "
-                            "records are read again from the group's commit", client.group_id,
-                            tp.topic, tp.partition, type(exc).__name__, exc)
-                gone.append(tp)
-                continue
-            if om is None:
-                continue  # none, or gone (expired): nobody else committed since
-            if (om.offset > progress.committed
-                    or (om.offset, om.metadata or "") != progress.last_committed):
-                gone.append(tp)
-        # the episodes an iterator holds open on those partitions are not this member's to
-        # complete: their segments are read again from the group's commit if they come back
-        log.info("replay client %s: %d partition(s) assigned; %d kept, %d given up (%s)",
-                 client.group_id, len(assigned), len(client._progress) - len(gone), len(gone),
-                 ", ".join(f"{tp.topic}[{tp.partition}]" for tp in gone) or "none")
-        client._lose(gone)
-        await client._apply_start(assigned)
-
-
-class SyncReplayClient:
-    """Blocking wrapper for trainers that are not asyncio programs: the same arguments and
-    methods as :class:`ReplayClient`, run on an event loop of its own (a daemon thread)."""
-
-    def __init__(
-        self,
-        tasks: Iterable[str] | str,
-        group_id: str,
-        settings: Settings | None = None,
-        *,
-        task_pattern: str | None = None,
-        start: StartPosition = "resume",
-        max_in_flight: int = 256,
-        drop_truncated: bool = False,
-        drop_gappy: bool = False,
-        max_staleness: int | None = None,
-        current_policy_version: Callable[[], int] | None = None,
-        codec: Codec | None = None,
-        commit_every_ms: float = DEFAULT_COMMIT_EVERY_MS,
-        flow_control_timeout_s: float | None = FLOW_CONTROL_TIMEOUT_S,
-        group_instance_id: str | None = None,
-    ) -> None:
-        """See :class:`ReplayClient` (the same parameters, checked by a test)."""
-        kwargs: dict[str, Any] = dict(
-            task_pattern=task_pattern, start=start, max_in_flight=max_in_flight,
-            drop_truncated=drop_truncated, drop_gappy=drop_gappy, max_staleness=max_staleness,
-            current_policy_version=current_policy_version, codec=codec,
-            commit_every_ms=commit_every_ms, flow_control_timeout_s=flow_control_timeout_s,
-            group_instance_id=group_instance_id)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name=f"replay-client-{group_id}")
-        self._thread.start()
-        try:
-            self._client: ReplayClient = self._run(
-                _build((tasks, group_id, settings), kwargs))
-            self._run(self._client.start())
-        except BaseException:  # a refused argument, no broker: no thread left behind
-            self._stop_loop()
-            raise
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def segments(self, idle_timeout: float | None = None) -> Iterator[Segment]:
-        """See :meth:`ReplayClient.segments`; leaving the loop early loses nothing."""
-        return self._iterate(self._client.segments(idle_timeout))
-
-    def episodes(self, idle_timeout: float | None = None) -> Iterator[Episode]:
-        """See :meth:`ReplayClient.episodes`; leaving the loop early loses nothing."""
-        return self._iterate(self._client.episodes(idle_timeout))
-
-    def _iterate(self, agen: AsyncGenerator[T, None]) -> Iterator[T]:
-        try:
-            while True:
-                step = asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop)
-                try:
-                    item = step.result()
-                except StopAsyncIteration:
-                    return
-                except BaseException:  # Ctrl-C while waiting: the step must not run on
-                    step.cancel()  # and hand out a segment nobody receives
-                    raise
-                yield item
-        finally:  # a loop left early: what was read and not handed out is read again
-            self._close_iterator(agen)
-
-    def _close_iterator(self, agen: AsyncGenerator[Any, None]) -> None:
-        """Close ``agen`` on the client's loop and wait (a bounded time) for it. Not from the
-        loop's own thread (a garbage collection may finalize an iterator there) nor while the
-        interpreter shuts down (the loop's daemon thread no longer runs): the next iterator
-        releases what this one held anyway."""
-        if (sys.is_finalizing() or not self._thread.is_alive()
-                or threading.current_thread() is self._thread):
-            return
-
-        async def close() -> None:
-            while getattr(agen, "ag_running", False):  # a step being cancelled (Ctrl-C) ends
-                await asyncio.sleep(0.01)
-            await agen.aclose()
-
-        done = asyncio.run_coroutine_threadsafe(close(), self._loop)
-        try:
-            done.result(timeout=_SYNC_CLOSE_TIMEOUT_S)
-        except Exception as exc:  # never raised out of the finally it runs in
-            done.cancel()
-            log.warning("replay client: an iterator could not be closed (%s: %s); the next "
-                        "one reads again what it held", type(exc).__name__, exc)
-
-    def ack(self, item: Segment | Episode) -> bool:
-        """See :meth:`ReplayClient.ack`: False when the item's partition went to another
-        member since it was handed out (that member delivers it again)."""
-        result: bool = self._run(self._client.ack(item))
-        return result
-
-    def commit(self) -> None:
-        """Commit every acknowledgement made so far; returns once the broker has it (before a
-        checkpoint, say). See :meth:`ReplayClient.commit`."""
-        self._run(self._client.commit())
-
-    def list_tasks(self, include_debug: bool = False) -> list[str]:
-        """See :meth:`ReplayClient.list_tasks`."""
-        return self._run(self._client.list_tasks(include_debug))
-
-    def missing_tasks(self) -> list[str]:
-        """See :meth:`ReplayClient.missing_tasks`."""
-        return self._run(self._client.missing_tasks())
-
-    @property
-    def stats(self) -> dict[str, int]:
-        """See ``ReplayClient.stats``."""
-        return self._client.stats
-
-    def close(self) -> None:
-        """Stop the client (its last commit, bounded) and its thread. Never raises but the
-        caller's own interruption (Ctrl-C); safe to call twice."""
-        if not self._thread.is_alive():
-            return
-        try:
-            self._run(self._client.stop())
-        except (Exception, concurrent.futures.CancelledError) as exc:  # stop() logs its own
-            log.warning("replay client %s: stop failed (%s: %s)", self._client.group_id,
-                        type(exc).__name__, exc)
-        finally:
-            self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> SyncReplayClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-async def _build(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ReplayClient:
-    return ReplayClient(*args, **kwargs)  # built on the client's loop (asyncio.Event binding)
+__all__ = [
+    "ALL_TASKS", "DEFAULT_COMMIT_EVERY_MS", "FLOW_CONTROL_TIMEOUT_S", "REBALANCE_COMMIT_TIMEOUT_S",
+    "STOP_COMMIT_TIMEOUT_S", "Episode", "FlowControlError", "ReplayClient", "Segment",
+    "SyncReplayClient", "encode_acked_beyond", "fragment_reason", "list_tasks",
+    "parse_acked_beyond", "replay_topic_pattern",
+]
