@@ -11,7 +11,7 @@ import pytest
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaTimeoutError
 
-from trajbus.consumers.engine import runner
+from trajbus.consumers.engine import restore
 
 TPS = [TopicPartition("t", 0)]
 
@@ -31,7 +31,7 @@ class _Consumer:
 
 
 async def test_a_lookup_that_hangs_on_the_old_leader_is_asked_again(monkeypatch) -> None:
-    monkeypatch.setattr(runner, "OFFSET_LOOKUP_TRY_S", 0.1)
+    monkeypatch.setattr(restore, "OFFSET_LOOKUP_TRY_S", 0.1)
     calls = 0
 
     async def lookup(tps: list[TopicPartition]) -> dict[TopicPartition, int]:
@@ -42,17 +42,17 @@ async def test_a_lookup_that_hangs_on_the_old_leader_is_asked_again(monkeypatch)
         return dict.fromkeys(tps, 7)
 
     consumer: Any = _Consumer()
-    got = await asyncio.wait_for(runner._offsets_riding_out_failover(lookup, TPS, consumer), 5)
+    got = await asyncio.wait_for(restore._offsets_riding_out_failover(lookup, TPS, consumer), 5)
     assert got == {TPS[0]: 7} and calls == 3 and consumer._client.refreshes == 2
 
 
 async def test_a_lookup_never_answered_fails_after_the_patience(monkeypatch) -> None:
-    monkeypatch.setattr(runner, "OFFSET_LOOKUP_TRY_S", 0.05)
-    monkeypatch.setattr(runner, "TOPIC_SETUP_PATIENCE_S", 0.3)
+    monkeypatch.setattr(restore, "OFFSET_LOOKUP_TRY_S", 0.05)
+    monkeypatch.setattr(restore, "TOPIC_SETUP_PATIENCE_S", 0.3)
 
     async def lookup(tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         raise KafkaTimeoutError("Failed to get offsets by times in 30000 ms")
 
     with pytest.raises(KafkaTimeoutError, match="not answered"):
-        await asyncio.wait_for(runner._offsets_riding_out_failover(lookup, TPS, _Consumer()),
+        await asyncio.wait_for(restore._offsets_riding_out_failover(lookup, TPS, _Consumer()),
                                5)

@@ -27,7 +27,7 @@ from support import QuietCore, settings_for
 from trajbus.bus.admin import ensure_topics
 from trajbus.bus.kafka import connection_options
 from trajbus.bus.topics import TopicSpec
-from trajbus.consumers.engine import runner as runner_module
+from trajbus.consumers.engine import ticker as ticker_module
 from trajbus.consumers.engine.runner import TICK_KEY, ProcessorSpec, Runner
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(120)]
@@ -120,7 +120,7 @@ async def test_ticks_that_cannot_be_sent_are_skipped_and_the_ticker_goes_on(
 
 async def test_a_ticker_that_cannot_start_stops_the_worker_with_its_error(
         kafka_broker, unique_name, broker_away_for_ticker, monkeypatch) -> None:
-    monkeypatch.setattr(runner_module, "TOPIC_SETUP_PATIENCE_S", 1.0)
+    monkeypatch.setattr(ticker_module, "TOPIC_SETUP_PATIENCE_S", 1.0)
     broker_away_for_ticker["starts"] = 1_000
     settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=PARTITIONS)
     runner, in_topic = _runner(settings, unique_name)
