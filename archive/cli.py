@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any
 
+from trajbus.archive import layout
+
 ARCHIVE_HELP = """\
 The Parquet archive of every sandbox event and trace chunk, and of the decision context:
 scheduling decisions (the scheduler's and the watchdog's), watchdog alerts, dead letters.
@@ -42,6 +44,7 @@ Examples:
   trajbus archive sql "SELECT * FROM episodes WHERE completeness <> 'complete'"
   trajbus archive sql "SELECT ending, truncated_by, count(*) FROM episodes GROUP BY ALL"
   trajbus archive context --task web --sandbox sb-17 --episode ep-3
+  trajbus archive files > events.txt       # the live objects: exact during compaction
   trajbus archive compact --dry-run
   trajbus archive retention --days 90 --dry-run
 """
@@ -141,18 +144,35 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                        "(events/ and the decision context's areas) into large "
                        "ones, then switch the manifest pointer in one write: readers see the old "
                        "set or the new set, never both. Replaced objects are deleted by a later "
-                       "run once --grace-seconds have passed.")
+                       "run once --grace-seconds have passed, so a snapshot a reader took "
+                       "before the switch (`trajbus archive files`, "
+                       "trajbus.archive.snapshot) stays readable that long.")
     c.add_argument("--target-mb", type=float, default=None,
                    help="output object size (default: TRAJBUS_ARCHIVE__TARGET_OBJECT_BYTES)")
     c.add_argument("--min-age-hours", type=float, default=2.0,
                    help="leave hours younger than this alone (default 2)")
-    c.add_argument("--grace-seconds", type=float, default=0.0,
-                   help="delete replaced objects only this long after the switch (default 0: "
-                   "at once, so raw globs over events/ stop seeing them; a `trajbus archive sql` "
-                   "query that lost a file to the switch is retried)")
+    c.add_argument("--grace-seconds", type=float, default=3600.0,
+                   help="delete replaced objects only this long after the switch (default "
+                   "3600): a snapshot taken before the switch stays readable that long")
     c.add_argument("--task", help="only this task")
     c.add_argument("--dry-run", action="store_true", help="report, change nothing")
     c.set_defaults(archive_func=_cmd_compact)
+
+    f = sub.add_parser("files", help="the live objects to read: a consistent snapshot",
+                       description="Print the live objects of an area (one path per line: a "
+                       "local path or s3://bucket/key), resolved through the compaction "
+                       "manifest once: exact while `archive compact` and `archive run` write "
+                       "(a raw glob over events/ is not). Feed them to any Parquet reader "
+                       "(hive partitions: date, hour, task; Spark: basePath = the area's "
+                       "directory, printed by --json). They stay readable for the compaction's "
+                       "--grace-seconds after a newer switch.")
+    f.add_argument("--area", default="events",
+                   choices=[*layout.DATA_AREAS, "conflicts", *layout.INDEX_AREAS],
+                   help="events (default), decisions, alerts, dead_letters, conflicts, or an "
+                   "index area (index, decisions_index, ...)")
+    f.add_argument("--json", action="store_true",
+                   help="one JSON object: generation, base, files")
+    f.set_defaults(archive_func=_cmd_files)
 
     t = sub.add_parser("retention", help="delete archive partitions older than N days",
                        description="Delete data and index objects whose date partition is older "
@@ -357,6 +377,18 @@ def _cmd_compact(args: argparse.Namespace) -> int:
                       "inputs": len(rep.inputs), "outputs": rep.outputs, "rows": rep.rows,
                       "purged": len(rep.purged), "orphans": len(rep.orphans),
                       "dry_run": rep.dry_run}))
+    return 0
+
+
+def _cmd_files(args: argparse.Namespace) -> int:
+    from trajbus.archive.snapshot import describe, snapshot_of
+
+    snap = snapshot_of(_store(args), args.area)
+    if args.json:
+        print(json.dumps(describe(snap)))
+    else:
+        for path in snap.files:
+            print(path)
     return 0
 
 

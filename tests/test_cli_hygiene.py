@@ -49,7 +49,7 @@ OFFLINE = {
     ("kafka", "pause-node"), ("kafka", "resume-node"),
     ("schemas",), ("config",),
     ("archive", "episode"), ("archive", "episodes"), ("archive", "sql"), ("archive", "compact"),
-    ("archive", "retention"), ("archive", "context"),
+    ("archive", "retention"), ("archive", "context"), ("archive", "files"),
 }
 
 # A valid value for a required argument, by its dest (anything else gets "x").
