@@ -416,11 +416,14 @@ def _who() -> str:
 
 
 async def redrive(settings: Settings, dls: Sequence[DeadLetterRecord], *,
-                  dry_run: bool = False, codec: Codec | None = None) -> list[Redriven]:
+                  dry_run: bool = False, codec: Codec | None = None,
+                  every: Sequence[DeadLetterRecord] | None = None) -> list[Redriven]:
     """Send each selected source record once back to its source topic (the original partition
     when it still exists, so the source's ordering by key is kept), in one transaction with a
     ``redriven`` status for every dead letter it covers. Skips dead letters re-driven or
     resolved before (and any whose source record was re-driven); refuses permanent failures.
+    ``every``: all the dead letters the selection was made from (the topic is read when it
+    is not given), to find the other stages' dead letters of a selected record.
     Returns one :class:`Redriven` per selected dead letter, in selection order."""
     from trajbus.bus.admin import ensure_topics
 
@@ -451,7 +454,7 @@ async def redrive(settings: Settings, dls: Sequence[DeadLetterRecord], *,
     # (the other stages' dead letters of it count even when not selected).
     if groups:
         selected = {d.event_id for d in dls}
-        for d in await read_dead_letters(settings, codec):
+        for d in every if every is not None else await read_dead_letters(settings, codec):
             if (d.source_key in groups and d.event_id not in selected
                     and d.source_key not in refused_sources
                     and (why := redrivable(settings, d, have, codec)) is not None):

@@ -205,14 +205,19 @@ def _register_deadletters(sub: argparse._SubParsersAction) -> None:
 
 
 def _dl_read(args: argparse.Namespace) -> list[Any]:
+    return _dl_read_both(args)[0]
+
+
+def _dl_read_both(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
+    """The dead letters the filters select, and every dead letter read."""
     from trajbus.consumers.operator.deadletters import read_dead_letters, select
 
-    dls = asyncio.run(read_dead_letters(get_settings()))
+    every = asyncio.run(read_dead_letters(get_settings()))
     if not hasattr(args, "stage"):
-        return dls
+        return every, every
     since = parse_time(args.since) if args.since else None
-    return select(dls, stages=args.stage, reasons=args.reason, tasks=args.task,
-                  sandboxes=args.sandbox, since_ms=since, statuses=args.status)
+    return select(every, stages=args.stage, reasons=args.reason, tasks=args.task,
+                  sandboxes=args.sandbox, since_ms=since, statuses=args.status), every
 
 
 def _dl_counts(args: argparse.Namespace) -> int:
@@ -266,8 +271,8 @@ def _dl_show(args: argparse.Namespace) -> int:
 def _dl_redrive(args: argparse.Namespace) -> int:
     from trajbus.consumers.operator.deadletters import redrive
 
-    dls = _dl_selected(args, "re-drive")
-    done = asyncio.run(redrive(get_settings(), dls, dry_run=args.dry_run))
+    dls, every = _dl_selected_and_every(args, "re-drive")
+    done = asyncio.run(redrive(get_settings(), dls, dry_run=args.dry_run, every=every))
     n: dict[str, int] = {}
     for r in done:
         n[r.action] = n.get(r.action, 0) + 1
@@ -289,6 +294,11 @@ def _dl_redrive(args: argparse.Namespace) -> int:
 
 
 def _dl_selected(args: argparse.Namespace, verb: str) -> list[Any]:
+    return _dl_selected_and_every(args, verb)[0]
+
+
+def _dl_selected_and_every(args: argparse.Namespace, verb: str
+                           ) -> tuple[list[Any], list[Any]]:
     from trajbus.bus.errors import UserError
     from trajbus.consumers.operator.deadletters import find
 
@@ -299,10 +309,10 @@ def _dl_selected(args: argparse.Namespace, verb: str) -> list[Any]:
                         "--sandbox/--since/--status, or --all",
                         hint="`trajbus deadletters list` shows them"
                         + ("; try --dry-run first" if verb == "re-drive" else ""))
-    dls = _dl_read(args)
+    dls, every = _dl_read_both(args)
     if args.ids:
         dls = list({d.event_id: d for d in (find(dls, i) for i in args.ids)}.values())
-    return dls
+    return dls, every
 
 
 def _dl_resolve(args: argparse.Namespace) -> int:
