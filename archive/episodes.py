@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from trajbus.archive.context import ContextFacts, episode_ending
@@ -97,9 +98,144 @@ def gaps_of(covered: list[tuple[int, int]], upper: int) -> list[tuple[int, int]]
     return gaps
 
 
+_AGGREGATE_SQL = """
+WITH rows AS (
+    SELECT * FROM idx WHERE episode IS NOT NULL
+), per_episode AS (
+    SELECT task, sandbox, episode,
+           min(first_seq) AS first_seq, max(last_seq) AS last_seq, max(end_seq) AS end_seq,
+           min(start_time_ms) AS start_ms, max(end_time_ms) AS end_ms,
+           max(outcome) AS outcome,
+           coalesce(list_sort(list_distinct(
+               list(kafka_topic) FILTER (WHERE kafka_topic <> ''))), []) AS topics,
+           count(DISTINCT object_key)::INTEGER AS objects
+    FROM rows GROUP BY task, sandbox, episode
+), runs AS (
+    SELECT r.task, r.sandbox, r.episode, u.run.first AS lo, u.run.last AS hi
+    FROM rows r, LATERAL (SELECT unnest(r.seq_runs) AS run) u
+), flagged AS (
+    SELECT *, CASE WHEN lo > max(hi) OVER (
+                  PARTITION BY task, sandbox, episode ORDER BY lo, hi
+                  ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) + 1
+              THEN 1 ELSE 0 END AS starts_island
+    FROM runs
+), islands AS (
+    SELECT task, sandbox, episode, min(lo) AS lo, max(hi) AS hi
+    FROM (SELECT *, sum(starts_island) OVER (
+                        PARTITION BY task, sandbox, episode ORDER BY lo, hi
+                        ROWS UNBOUNDED PRECEDING) AS island FROM flagged)
+    GROUP BY task, sandbox, episode, island
+), bounded AS (
+    SELECT i.*, coalesce(e.end_seq, e.last_seq) AS upper,
+           lag(i.hi) OVER (PARTITION BY i.task, i.sandbox, i.episode ORDER BY i.lo) AS prev_hi
+    FROM islands i JOIN per_episode e USING (task, sandbox, episode)
+), inner_gaps AS (
+    SELECT task, sandbox, episode, coalesce(prev_hi, -1) + 1 AS first, lo - 1 AS last
+    FROM bounded WHERE lo <= upper AND lo > coalesce(prev_hi, -1) + 1
+), covered AS (
+    SELECT task, sandbox, episode, sum(hi - lo + 1) AS events,
+           max(hi) FILTER (WHERE lo <= upper) AS reach
+    FROM bounded GROUP BY task, sandbox, episode
+), tail_gaps AS (
+    SELECT e.task, e.sandbox, e.episode, coalesce(c.reach, -1) + 1 AS first,
+           coalesce(e.end_seq, e.last_seq) AS last
+    FROM per_episode e LEFT JOIN covered c USING (task, sandbox, episode)
+    WHERE coalesce(c.reach, -1) < coalesce(e.end_seq, e.last_seq)
+), gaps AS (
+    SELECT task, sandbox, episode,
+           list({'first': first, 'last': last} ORDER BY first) AS gaps,
+           sum(last - first + 1) AS missing
+    FROM (SELECT * FROM inner_gaps UNION ALL SELECT * FROM tail_gaps)
+    GROUP BY task, sandbox, episode
+)
+SELECT e.task, e.sandbox, e.episode, e.first_seq, e.last_seq, e.end_seq,
+       coalesce(c.events, 0) AS event_count, e.start_ms, e.end_ms, e.outcome, e.topics,
+       e.objects, coalesce(g.gaps, []) AS gaps, coalesce(g.missing, 0) AS missing_seqs,
+       CASE WHEN g.missing > 0 THEN 'has_gaps'
+            WHEN e.end_seq IS NULL THEN 'in_progress'
+            WHEN e.outcome = 'TRUNCATED' THEN 'truncated'
+            ELSE 'complete' END AS completeness
+FROM per_episode e
+LEFT JOIN covered c USING (task, sandbox, episode)
+LEFT JOIN gaps g USING (task, sandbox, episode)
+ORDER BY e.task, e.sandbox, e.episode
+"""
+
+
 def build_episodes(index: pa.Table, facts: ContextFacts | None = None) -> pa.Table:
     """The episode table from index rows (of live objects only, or events count twice) and
-    the decision context (:func:`~trajbus.archive.context.context_facts`)."""
+    the decision context (:func:`~trajbus.archive.context.context_facts`).
+
+    The per-episode arithmetic (spans, seq runs merged, gaps) runs in DuckDB over the index;
+    only episodes of sandboxes the decision context knows go through
+    :func:`~trajbus.archive.context.episode_ending` one by one. Same table as
+    :func:`build_episodes_reference`, the rules written out in Python (a test compares
+    them)."""
+    import duckdb
+
+    facts = facts or ContextFacts()
+    con = duckdb.connect()
+    try:
+        con.register("idx", index.select(_INDEX_COLUMNS))
+        agg = con.sql(_AGGREGATE_SQL).to_arrow_table()
+    finally:
+        con.close()
+    n = agg.num_rows
+    has_end = pc.is_valid(agg.column("end_seq"))
+    outcome = agg.column("outcome")
+    truncated_end = pc.fill_null(pc.equal(outcome, "TRUNCATED"), False)
+    # without decision context an episode's own EpisodeEnd decides
+    endings: dict[str, list[Any]] = {
+        "ending": pc.if_else(has_end, pc.if_else(truncated_end, "truncated", "complete"),
+                             "in_progress").to_pylist(),
+        "truncated_by": pc.if_else(pc.and_(has_end, truncated_end), "runtime",
+                                   pa.scalar(None, pa.string())).to_pylist(),
+        "terminate_decision_id": [None] * n, "terminate_decided_by": [None] * n,
+        "terminate_ack": [None] * n}
+    if facts.sandboxes:
+        tasks, sandboxes = agg.column("task").to_pylist(), agg.column("sandbox").to_pylist()
+        episodes, ends = agg.column("episode").to_pylist(), has_end.to_pylist()
+        outcomes = outcome.to_pylist()
+        for i in range(n):
+            if (tasks[i], sandboxes[i]) in facts.sandboxes:
+                ending = episode_ending(facts, tasks[i], sandboxes[i], episodes[i], ends[i],
+                                        outcomes[i])
+                endings["ending"][i] = ending.ending
+                endings["truncated_by"][i] = ending.truncated_by
+                endings["terminate_decision_id"][i] = ending.terminate_decision_id
+                endings["terminate_decided_by"][i] = ending.terminate_decided_by
+                endings["terminate_ack"][i] = ending.terminate_ack
+    start = agg.column("start_ms")
+    values: dict[str, Any] = {
+        "task": agg.column("task"), "sandbox": agg.column("sandbox"),
+        "episode": agg.column("episode"),
+        "date": pc.cast(pc.cast(start, TS), pa.date32()),
+        "first_seq": agg.column("first_seq"), "last_seq": agg.column("last_seq"),
+        "end_seq": agg.column("end_seq"), "event_count": agg.column("event_count"),
+        "start_time": start, "end_time": agg.column("end_ms"),
+        "start_time_ms": start, "end_time_ms": agg.column("end_ms"),
+        "outcome": outcome, "completeness": agg.column("completeness"),
+        "missing_seqs": agg.column("missing_seqs"), "gaps": agg.column("gaps"),
+        "has_start": pc.equal(agg.column("first_seq"), 0), "has_end": has_end,
+        "topics": agg.column("topics"), "objects": agg.column("objects"), **endings,
+    }
+    return pa.table({f.name: _as(values[f.name], f.type) for f in EPISODES_SCHEMA},
+                    schema=EPISODES_SCHEMA)
+
+
+_INDEX_COLUMNS = ["task", "sandbox", "episode", "object_key", "first_seq", "last_seq",
+                  "end_seq", "seq_runs", "start_time_ms", "end_time_ms", "outcome",
+                  "kafka_topic"]
+
+
+def _as(values: Any, type_: pa.DataType) -> pa.Array | pa.ChunkedArray:
+    if isinstance(values, list):
+        return pa.array(values, type_)
+    return values.cast(type_)
+
+
+def build_episodes_reference(index: pa.Table, facts: ContextFacts | None = None) -> pa.Table:
+    """:func:`build_episodes`, one episode at a time in Python: the rules as written."""
     facts = facts or ContextFacts()
     cols = ["task", "sandbox", "episode", "object_key", "first_seq", "last_seq", "end_seq",
             "seq_runs", "start_time_ms", "end_time_ms", "outcome", "kafka_topic"]

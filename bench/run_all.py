@@ -43,6 +43,10 @@ BENCHES: dict[str, tuple[str, list[str], list[str], bool]] = {
     "archive": ("bench_archive.py", [], ["--events", "1000000", "--throughput-events",
                                          "200000", "--hour-events", "200000"], False),
     "archive_freshness": ("bench_archive_freshness.py", [], ["--minutes", "15"], False),
+    # the episodes table (every `archive sql`): DuckDB arithmetic vs the rules in Python
+    "archive_episodes": ("bench_archive_episodes.py", ["--episodes", "10000", "100000",
+                                                       "1000000"],
+                         ["--episodes", "10000", "100000"], False),
     "e2e": ("bench_e2e.py", [], ["--events", "15000", "--seconds", "8",
                                  "--overlap-episodes", "4"], True),
     "worker": ("bench_worker.py", [], ["--events", "15000", "--repeat", "1"], True),

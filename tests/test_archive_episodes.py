@@ -7,17 +7,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import duckdb
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from test_archive_store import T0, shell_for
 
 from trajbus.archive import cli as archive_cli
-from trajbus.archive.episodes import EPISODES_KEY, gaps_of, merge_runs
+from trajbus.archive.context import ContextFacts, Cut, SandboxFacts, Terminate
+from trajbus.archive.episodes import (
+    EPISODES_KEY,
+    build_episodes,
+    build_episodes_reference,
+    gaps_of,
+    merge_runs,
+)
+from trajbus.archive.index import INDEX_SCHEMA
 from trajbus.archive.query import ArchiveReader
 from trajbus.archive.storage import LocalStore
 from trajbus.archive.synth import episode_events
@@ -134,3 +144,52 @@ def test_seq_runs_belong_to_their_own_index_row_on_large_objects() -> None:
     for r in idx.select(["first_seq", "last_seq", "seq_runs", "event_count"]).to_pylist():
         assert r["seq_runs"] == [{"first": r["first_seq"], "last": r["last_seq"]}]
         assert r["last_seq"] - r["first_seq"] + 1 == r["event_count"]
+
+
+def _random_index(rng: random.Random, episodes: int) -> tuple[pa.Table, ContextFacts]:
+    """Index rows with what the archive can hold: an episode in 1-4 objects, overlapping and
+    out-of-order seq runs, runs beyond its EpisodeEnd, a row without runs, gaps, TRUNCATED
+    and TERMINAL ends, trace chunks' topic, an empty topic; sandbox lifecycle rows (no
+    episode); and decision context for some sandboxes."""
+    rows: list[dict[str, Any]] = []
+    facts = ContextFacts()
+    for e in range(episodes):
+        task, sandbox, episode = f"t{e % 3}", f"sb-{e % 7}", f"{e:05d}"
+        end = rng.choice([None, rng.randint(0, 30)])
+        for _ in range(rng.randint(1, 4)):
+            runs = []
+            for _ in range(rng.choice([0, 1, 1, 2, 3])):
+                lo = rng.randint(0, 35)
+                runs.append({"first": lo, "last": lo + rng.randint(0, 8)})
+            first = min((r["first"] for r in runs), default=rng.randint(0, 5))
+            last = max((r["last"] for r in runs), default=first)
+            ended = end is not None and rng.random() < 0.6
+            rows.append({
+                "task": task, "sandbox": sandbox, "episode": episode,
+                "object_key": f"events/{rng.randint(0, 5)}.parquet", "first_seq": first,
+                "last_seq": last, "end_seq": end if ended else None,
+                "seq_runs": runs if runs or rng.random() < 0.5 else None,
+                "start_time_ms": T0 + e * 1000 + first, "end_time_ms": T0 + e * 1000 + last,
+                "outcome": rng.choice(["TERMINAL", "TRUNCATED"]) if ended else None,
+                "kafka_topic": rng.choice([EVENTS, CHUNKS, "", None])})
+    rows.append({**rows[0], "episode": None})  # a sandbox's lifecycle stream
+    for sandbox in ("sb-1", "sb-2", "sb-3"):
+        f = facts.sandboxes[("t1", sandbox)] = SandboxFacts(gone=sandbox != "sb-3")
+        f.terminates.append(Terminate(f"d-{sandbox}", T0, "watchdog", "00001", ()))
+        f.cuts.append(Cut(T0, "reclaim", (), f"c-{sandbox}"))
+    schema = pa.schema([INDEX_SCHEMA.field(name) for name in rows[0]])
+    return pa.Table.from_pylist(rows, schema=schema), facts
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_episode_table_equals_the_rules_written_out_in_python(seed: int) -> None:
+    index, facts = _random_index(random.Random(seed), 60)
+    fast, reference = build_episodes(index, facts), build_episodes_reference(index, facts)
+    assert fast.schema.equals(reference.schema)
+    assert fast.to_pylist() == reference.to_pylist()
+
+
+def test_an_empty_index_is_an_empty_table() -> None:
+    index, _ = _random_index(random.Random(0), 1)
+    empty = index.slice(0, 0)
+    assert build_episodes(empty).num_rows == 0 == build_episodes_reference(empty).num_rows
