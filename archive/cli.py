@@ -16,6 +16,7 @@ import datetime
 import json
 import signal
 import sys
+import textwrap
 import time
 from typing import Any
 
@@ -45,6 +46,24 @@ Examples:
   trajbus archive compact --dry-run
   trajbus archive retention --days 90 --dry-run
 """
+
+
+def _sql_help() -> str:
+    """``archive sql --help``: every view (``views.VIEWS``) and where the columns are
+    described."""
+    from trajbus.archive.views import VIEWS
+
+    lines = ["Run one SQL query with DuckDB over the archive's live objects (a consistent",
+             "snapshot, even while compaction runs). Views:", ""]
+    for name, what in VIEWS.items():
+        lines += textwrap.wrap(what, 88, initial_indent=f"  {name:<16} ",
+                               subsequent_indent=" " * 19)
+    lines += ["", *textwrap.wrap(
+        'Columns: `trajbus archive sql "DESCRIBE events"`; what each means (type, '
+        "nullability): the column reference linked from the README's data-team section, "
+        "archive/README.md. Filter on task, date, sandbox and episode to let row-group "
+        "statistics prune.", 90)]
+    return "\n".join(lines)
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -94,16 +113,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     e.set_defaults(archive_func=_cmd_episode)
 
     s = sub.add_parser("sql", help="run SQL with DuckDB over the archive",
-                       description="DuckDB with views: 'events' (every archived event, plus "
-                       "date and hour); 'episodes' (one row per episode: seq range, counts, "
-                       "completeness, and its ending: complete / truncated / terminated / "
-                       "in_progress, truncated_by, terminate_decision_id); 'episode_objects' "
-                       "(the index: one row per task, sandbox, episode and object); "
-                       "'conflicts' (conflicting copies); the decision context: 'decisions' "
-                       "(with decided_by: scheduler / watchdog), 'alerts', 'dead_letters', "
-                       "'decision_acks' (the sandbox runtime's answers to decisions) and "
-                       "'lifecycle' (sandbox state changes and drain reports). Filter on "
-                       "task, date, sandbox and episode to let row-group statistics prune.")
+                       description=_sql_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("query", help='e.g. "SELECT kind, count(*) FROM events GROUP BY kind"')
     s.add_argument("--json", action="store_true", help="JSON lines output")
     s.set_defaults(archive_func=_cmd_sql)
@@ -261,7 +272,8 @@ def _cmd_episode(args: argparse.Namespace) -> int:
         from trajbus.producers.claimcheck import BlobIntegrityError
 
         endpoint = args.endpoint_url or _settings().archive.s3_endpoint_url
-        fetch = None if args.no_blobs else (lambda row: fetch_row_blob(row, endpoint))
+        fetch = None if args.no_blobs else (
+            lambda row: fetch_row_blob(row, endpoint, reader.store))
         try:
             data, missing = reassemble_trace(rows, fetch)
         except (BlobIntegrityError, StoreError) as exc:
