@@ -390,10 +390,10 @@ def test_schemas_show_prints_a_kinds_avro_fields() -> None:
         [line] = [ln for ln in lines if ln.split(" ", 1)[0] == name]
         return re.split(r"\s{2,}", line.strip())
 
-    assert field("ok") == ["ok", "boolean"]
-    assert field("latency_ms") == ["latency_ms", "long", "0"]
-    assert field("error") == ["error", "null | string", "null"]
-    assert field("probe") == ["probe", "string", '"tcp"']
+    assert field("ok") == ["ok", "boolean", "True when the probe succeeded within its timeout."]
+    assert field("latency_ms")[:3] == ["latency_ms", "long", "0"]
+    assert field("error")[:3] == ["error", "null | string", "null"]
+    assert field("probe")[:3] == ["probe", "string", '"tcp"']
     assert field("header.seq")[:2] == ["header.seq", "long"]
     assert "starting at 0" in field("header.seq")[-1]  # the field's doc
     assert {ln.split(" ", 1)[0] for ln in lines[3:]} == {
@@ -464,7 +464,7 @@ def test_readme_typed_column_snippets_run_verbatim_over_old_and_new_objects(
     assert probes == [["sb-old", "0", ""], ["sb-probe", "1", "15000"]]  # sb-old: format 2
     datasets = dict(row.split("\t") for row in outputs[1].splitlines()[1:])
     assert datasets["ds-web"] == "1"
-    assert re.search(r"^latency_ms +long +0$", outputs[2], flags=re.M), outputs[2]
+    assert re.search(r"^latency_ms +long +0 +How long", outputs[2], flags=re.M), outputs[2]
 
     monkeypatch.chdir(tmp_path)
     ns: dict[str, Any] = {}
