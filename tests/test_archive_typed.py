@@ -22,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from trajbus.archive.rows import (
     rows_to_table,
     to_row,
 )
-from trajbus.archive.storage import LocalStore
+from trajbus.archive.storage import LocalStore, S3Store, open_store
 from trajbus.archive.synth import context_fleet, episode_events
 from trajbus.archive.views import VIEWS
 from trajbus.archive.writer import ArchiveWriter
@@ -370,6 +371,33 @@ def test_absolute_references_stay_readable(tmp_path: Path) -> None:
     ep2 = ArchiveReader(store).episode(TASK, "sb-2", "00000")
     assert ep2.column("blob_uri").to_pylist() == [blob_key(ra.sha256), rb.uri]
     assert reassemble_trace(ep2, reader.fetch_blob) == (a + b, [])
+
+
+def test_references_into_an_s3_archive_are_relative_too(s3_server: str,
+                                                        tmp_path: Path) -> None:
+    import boto3
+
+    bucket = f"typed-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=bucket)
+    s3_store = open_store(f"s3://{bucket}/trajbus/archive", s3_server)
+    assert isinstance(s3_store, S3Store)
+    cc = ClaimCheck(url=s3_store.url, endpoint_url=s3_store.endpoint_url, threshold=0,
+                    settings=Settings())
+    shot = b"\x89PNG" * 500
+    ref = cc.put(shot, content_type="image/png")
+    key = blob_key(ref.sha256)
+    assert ref.uri == f"{s3_store.url}/{key}"  # on Kafka: s3://bucket/prefix/blobs/...
+    chunk = TraceChunk(header=hdr("sb-s3", 0, T0, "00000"), file_offset=0, length=len(shot),
+                       sha256=ref.sha256, blob=ref, content_type="image/png")
+    sh = shell_for(s3_store, tmp_path)
+    step = sh.process(records([chunk]))
+    sh.committed(step.batches + sh.flush_all().batches)
+    reader = ArchiveReader(s3_store)
+    ep = reader.episode(TASK, "sb-s3", "00000")
+    assert ep.column("blob_uri").to_pylist() == [key]
+    assert reassemble_trace(ep, reader.fetch_blob) == (shot, [])
+    assert reader.connect().execute("SELECT content_type, blob_uri FROM events").fetchall() \
+        == [("image/png", key)]
 
 
 # -- schemas show, help texts ----------------------------------------------------------------
