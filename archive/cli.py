@@ -28,13 +28,17 @@ Layout (local directory or s3://bucket/prefix, set TRAJBUS_ARCHIVE__URL):
   events/date=YYYY-MM-DD/hour=HH/task=T/<topic>-<partition>-<first>-<last>-hHH.parquet
   index/date=YYYY-MM-DD/task=T/<same name>   one row per (task, sandbox, episode, object)
   decisions/, alerts/, dead_letters/ (same layout), with decisions_index/, alerts_index/, ...
+  conflicts/ (same layout)                   conflicting copies, never in events/
+  blobs/sha256/ab/cd/<sha256>                claim-check blobs; blob_uri is relative to here
 Rows are sorted by (sandbox, episode, seq) inside each object. Every kind of event shares one
-schema: header columns, typed columns (tool, status, state, outcome, ...), payload_json for
-the rest, data for trace chunk bytes, and the Kafka source position. `archive run` writes a
-batch once its first event is 30 s old in the log's time (TRAJBUS_ARCHIVE__FLUSH_AFTER_MS):
-an acknowledged event is queryable about 30 s later; `archive compact` merges the small
-objects. Reads of a location that holds no archive (no events/, index/ or
-_trajbus_archive.json) fail with exit 2 and create nothing.
+schema: header columns (non-null), typed columns analysts filter on (tool, status, state,
+outcome, ok, latency_ms, content_type, final_seqs, dataset, decision, alert, ...),
+payload_json with the record's fields, data for trace chunk bytes, and the Kafka source
+position; each column: archive/README.md, a kind's fields: `trajbus schemas show KIND`.
+`archive run` writes a batch once its first event is 30 s old in the log's time
+(TRAJBUS_ARCHIVE__FLUSH_AFTER_MS): an acknowledged event is queryable about 30 s later;
+`archive compact` merges the small objects. Reads of a location that holds no archive (no
+events/, index/ or _trajbus_archive.json) fail with exit 2 and create nothing.
 
 Examples:
   trajbus archive run --until-idle
@@ -42,6 +46,7 @@ Examples:
   trajbus archive sql "SELECT tool, count(*) FROM events WHERE task='web' GROUP BY tool"
   trajbus archive sql "SELECT * FROM episodes WHERE completeness <> 'complete'"
   trajbus archive sql "SELECT ending, truncated_by, count(*) FROM episodes GROUP BY ALL"
+  trajbus archive sql "SELECT sandbox, max(latency_ms) FROM events WHERE NOT ok GROUP BY 1"
   trajbus archive context --task web --sandbox sb-17 --episode ep-3
   trajbus archive compact --dry-run
   trajbus archive retention --days 90 --dry-run

@@ -140,6 +140,7 @@ PROMOTED_KINDS: dict[str, tuple[str, ...]] = {
     "dataset": ("SandboxRequest", "EpisodeStart", "SchedulingDecision"),
 }
 """The kinds whose records fill each promoted and derived column (the bundled schemas')."""
+_DATASET_KINDS = frozenset(PROMOTED_KINDS["dataset"])
 
 NON_NULL: frozenset[str] = frozenset({
     "event_id", "task", "sandbox", "seq", "event_time", "event_time_ms", "producer_id", "kind",
@@ -246,6 +247,17 @@ def _promoted(test: str, value: Any) -> bool:
     return _fits_final_seqs(value)
 
 
+def _dataset(fields: Mapping[str, Any]) -> str | None:
+    """The derived ``dataset`` of a record's fields: its own ``dataset``, else the entry of
+    its ``context`` or ``details`` map (None when empty or absent)."""
+    for holder in (fields, fields.get("context"), fields.get("details")):
+        if isinstance(holder, Mapping):
+            dataset = holder.get("dataset")
+            if isinstance(dataset, str) and dataset:
+                return dataset
+    return None
+
+
 def relative_blob_uri(uri: str, blob_root: str | None) -> str:
     """``uri`` relative to the archive root ``blob_root`` (``blobs/sha256/...``) when it points
     into that root's ``blobs/``, else ``uri`` unchanged."""
@@ -313,13 +325,10 @@ def to_row(kind: str, record: Mapping[str, Any], topic: str, partition: int,
                 value = {**value, "uri": uri}
             row["blob_uri"] = uri
         rest[name] = value
-    # dataset: SandboxRequest.dataset, EpisodeStart.context, SchedulingDecision.details
-    for holder in (record, record.get("context"), record.get("details")):
-        if isinstance(holder, Mapping):
-            dataset = holder.get("dataset")
-            if isinstance(dataset, str) and dataset:
-                row["dataset"] = dataset
-                break
+    if kind in _DATASET_KINDS:  # SandboxRequest.dataset, EpisodeStart.context, ...details
+        dataset = _dataset(record)
+        if dataset is not None:
+            row["dataset"] = dataset
     if extra_header:
         rest["$header"] = extra_header
     if rest:
@@ -416,12 +425,7 @@ def _payload_value(name: str, payload: Mapping[str, Any]) -> Any:
     """The value of promoted column ``name`` for a record whose fields are ``payload``
     (as :func:`to_row` would have set it), or None."""
     if name == "dataset":
-        for holder in (payload, payload.get("context"), payload.get("details")):
-            if isinstance(holder, Mapping):
-                v = holder.get("dataset")
-                if isinstance(v, str) and v:
-                    return v
-        return None
+        return _dataset(payload)
     v = payload.get(name)
     return v if v is not None and _promoted(_PROMOTED_TEST[name], v) else None
 
@@ -430,7 +434,8 @@ def fill_promoted(table: pa.Table) -> pa.Table:
     """``table`` (archive rows, with ``kind`` and ``payload_json``) with the promoted and
     derived columns of rows written before they existed (format 2) filled from
     ``payload_json``. Such a row is one whose kind has every one of them null: the current
-    format always sets at least one (a required field), so current rows are never parsed."""
+    format sets at least one (a required field) for every kind but EpisodeStart (one row per
+    episode), so current rows are not parsed again."""
     names = set(table.schema.names)
     if "kind" not in names or "payload_json" not in names or table.num_rows == 0:
         return table

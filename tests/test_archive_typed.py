@@ -41,6 +41,7 @@ from trajbus.archive.rows import (
     DERIVED_FIELDS,
     NON_NULL,
     PROMOTED_FIELDS,
+    conform,
     rows_to_table,
     to_row,
 )
@@ -123,7 +124,8 @@ def every_kind(store: LocalStore, tmp_path: Path) -> dict[str, Any]:
 
 
 def raw(store: LocalStore, area: str = "events") -> pa.Table:
-    return pa.concat_tables(pq.read_table(p) for p in sorted(
+    """Every row of an area's objects, straight from the files."""
+    return pa.concat_tables(conform(pq.read_table(p)) for p in sorted(
         (store.root / area).rglob("*.parquet")))
 
 
@@ -292,6 +294,17 @@ def test_objects_of_the_previous_format_read_beside_new_ones(tmp_path: Path) -> 
     merged = raw(store)
     assert merged.filter(pa.compute.equal(merged["kind"], "LivenessProbe")
                          ).column("ok").to_pylist() == [True, False, True, False]
+    filled = {"Drained": "final_seqs", "SchedulingDecision": "decision",
+              "WatchdogAlert": "alert", "DecisionAck": "decision_event_id"}
+    seen = set()
+    for key in rep.outputs:  # every merged object: its old rows' columns are filled
+        t = pq.read_table(store.duckdb_path(key))
+        for kind, col in filled.items():
+            rows = t.filter(pa.compute.equal(t["kind"], kind))
+            assert rows.column(col).null_count == 0, (key, kind)
+            if rows.num_rows:
+                seen.add(kind)
+    assert seen >= {"Drained", "SchedulingDecision"}
     after = ArchiveReader(store)
     assert after.episode(TASK, "sb-probe", None).column("ok").to_pylist() == [
         True, False, None, None] * 2
