@@ -479,7 +479,8 @@ def _local_view(con: Any, name: str, paths: list[str], schema: pa.Schema, hive: 
     # union_by_name: files of an older archive schema (fewer columns) read with newer ones
     files = f"SELECT * FROM read_parquet([{listing}], {options}, union_by_name=true)"
     if not set(schema.names) <= set(pq.read_schema(paths[-1]).names):
-        # The newest object is of an older format (maybe all are): an empty table of the
+        # With union_by_name, one object of the current format gives every column; the last
+        # listed (usually the newest) is not one, and maybe none is: an empty table of the
         # current schema first, so every column exists, with its type and in its order.
         con.register(f"_{name}_empty", _with_partitions(schema, hive).empty_table())
         files = f"SELECT * FROM _{name}_empty UNION ALL BY NAME {files}"
