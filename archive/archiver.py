@@ -53,6 +53,7 @@ from trajbus.archive.writer import ArchiveWriter, BatchResult
 from trajbus.bus.closing import close_client
 from trajbus.bus.settings import ArchiveSettings, Settings
 from trajbus.bus.topics import Topics, validate_name
+from trajbus.producers.claimcheck import root_uri
 from trajbus.schemas.codec import Codec, DecodeError, default_codec
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,8 @@ class ArchiveShell:
         """``areas``: the data area of each topic not archived into ``events``
         (``Topics.context_areas``)."""
         self.store = store
+        # claim-check references into this archive are stored relative to its root
+        self.blob_root = root_uri(store.url)
         self.areas = dict(areas or {})
         self.codec = codec or default_codec()
         self.batcher = ArchiveBatcher(cfg.target_object_bytes, cfg.max_open_ms,
@@ -231,7 +234,7 @@ class ArchiveShell:
                 self.duplicates += 1
                 self._run(batcher.skip(topic, partition, offset, log), out)
                 continue
-            row = decoded_to_row(decoded, topic, partition, offset)
+            row = decoded_to_row(decoded, topic, partition, offset, self.blob_root)
             row["event_digest"] = to_signed(digest)
             if task != row["task"]:  # a context record naming an invalid task: kept aside
                 keep_original_task(row, task)

@@ -16,6 +16,7 @@ import datetime
 import json
 import signal
 import sys
+import textwrap
 import time
 from typing import Any
 
@@ -29,13 +30,17 @@ Layout (local directory or s3://bucket/prefix, set TRAJBUS_ARCHIVE__URL):
   events/date=YYYY-MM-DD/hour=HH/task=T/<topic>-<partition>-<first>-<last>-hHH.parquet
   index/date=YYYY-MM-DD/task=T/<same name>   one row per (task, sandbox, episode, object)
   decisions/, alerts/, dead_letters/ (same layout), with decisions_index/, alerts_index/, ...
+  conflicts/ (same layout)                   conflicting copies, never in events/
+  blobs/sha256/ab/cd/<sha256>                claim-check blobs; blob_uri is relative to here
 Rows are sorted by (sandbox, episode, seq) inside each object. Every kind of event shares one
-schema: header columns, typed columns (tool, status, state, outcome, ...), payload_json for
-the rest, data for trace chunk bytes, and the Kafka source position. `archive run` writes a
-batch once its first event is 30 s old in the log's time (TRAJBUS_ARCHIVE__FLUSH_AFTER_MS):
-an acknowledged event is queryable about 30 s later; `archive compact` merges the small
-objects. Reads of a location that holds no archive (no events/, index/ or
-_trajbus_archive.json) fail with exit 2 and create nothing.
+schema: header columns (non-null), typed columns analysts filter on (tool, status, state,
+outcome, ok, latency_ms, content_type, final_seqs, dataset, decision, alert, ...),
+payload_json with the record's fields, data for trace chunk bytes, and the Kafka source
+position; each column: archive/README.md, a kind's fields: `trajbus schemas show KIND`.
+`archive run` writes a batch once its first event is 30 s old in the log's time
+(TRAJBUS_ARCHIVE__FLUSH_AFTER_MS): an acknowledged event is queryable about 30 s later;
+`archive compact` merges the small objects. Reads of a location that holds no archive (no
+events/, index/ or _trajbus_archive.json) fail with exit 2 and create nothing.
 
 Examples:
   trajbus archive run --until-idle
@@ -43,11 +48,30 @@ Examples:
   trajbus archive sql "SELECT tool, count(*) FROM events WHERE task='web' GROUP BY tool"
   trajbus archive sql "SELECT * FROM episodes WHERE completeness <> 'complete'"
   trajbus archive sql "SELECT ending, truncated_by, count(*) FROM episodes GROUP BY ALL"
+  trajbus archive sql "SELECT sandbox, max(latency_ms) FROM events WHERE NOT ok GROUP BY 1"
   trajbus archive context --task web --sandbox sb-17 --episode ep-3
   trajbus archive files > events.txt       # the live objects: exact during compaction
   trajbus archive compact --dry-run
   trajbus archive retention --days 90 --dry-run
 """
+
+
+def _sql_help() -> str:
+    """``archive sql --help``: every view (``views.VIEWS``) and where the columns are
+    described."""
+    from trajbus.archive.views import VIEWS
+
+    lines = ["Run one SQL query with DuckDB over the archive's live objects (a consistent",
+             "snapshot, even while compaction runs). Views:", ""]
+    for name, what in VIEWS.items():
+        lines += textwrap.wrap(what, 88, initial_indent=f"  {name:<16} ",
+                               subsequent_indent=" " * 19)
+    lines += ["", *textwrap.wrap(
+        'Columns: `trajbus archive sql "DESCRIBE events"`; what each means (type, '
+        "nullability): the column reference linked from the README's data-team section, "
+        "archive/README.md. Filter on task, date, sandbox and episode to let row-group "
+        "statistics prune.", 90)]
+    return "\n".join(lines)
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -97,16 +121,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     e.set_defaults(archive_func=_cmd_episode)
 
     s = sub.add_parser("sql", help="run SQL with DuckDB over the archive",
-                       description="DuckDB with views: 'events' (every archived event, plus "
-                       "date and hour); 'episodes' (one row per episode: seq range, counts, "
-                       "completeness, and its ending: complete / truncated / terminated / "
-                       "in_progress, truncated_by, terminate_decision_id); 'episode_objects' "
-                       "(the index: one row per task, sandbox, episode and object); "
-                       "'conflicts' (conflicting copies); the decision context: 'decisions' "
-                       "(with decided_by: scheduler / watchdog), 'alerts', 'dead_letters', "
-                       "'decision_acks' (the sandbox runtime's answers to decisions) and "
-                       "'lifecycle' (sandbox state changes and drain reports). Filter on "
-                       "task, date, sandbox and episode to let row-group statistics prune.")
+                       description=_sql_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("query", help='e.g. "SELECT kind, count(*) FROM events GROUP BY kind"')
     s.add_argument("--json", action="store_true", help="JSON lines output")
     s.set_defaults(archive_func=_cmd_sql)
@@ -281,7 +297,8 @@ def _cmd_episode(args: argparse.Namespace) -> int:
         from trajbus.producers.claimcheck import BlobIntegrityError
 
         endpoint = args.endpoint_url or _settings().archive.s3_endpoint_url
-        fetch = None if args.no_blobs else (lambda row: fetch_row_blob(row, endpoint))
+        fetch = None if args.no_blobs else (
+            lambda row: fetch_row_blob(row, endpoint, reader.store))
         try:
             data, missing = reassemble_trace(rows, fetch)
         except (BlobIntegrityError, StoreError) as exc:

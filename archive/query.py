@@ -35,7 +35,7 @@ from trajbus.archive.context import STREAM_KINDS, ContextFacts, context_facts
 from trajbus.archive.episodes import build_episodes
 from trajbus.archive.index import INDEX_SCHEMA
 from trajbus.archive.manifest import Manifest, live_objects, read_manifest
-from trajbus.archive.rows import ARCHIVE_SCHEMA
+from trajbus.archive.rows import ARCHIVE_SCHEMA, conform
 from trajbus.archive.storage import LocalStore, ObjectStore, require_archive
 from trajbus.bus.topics import validate_name
 
@@ -118,7 +118,11 @@ class ArchiveReader:
             key, ranges = item
             groups = sorted({g for lo, hi in ranges for g in range(lo, hi + 1)})
             with self.store.open_input(key) as f:
-                return pq.ParquetFile(f).read_row_groups(groups, columns=cols)
+                pf = pq.ParquetFile(f)
+                have = set(pf.schema_arrow.names)  # an older format: fewer columns
+                t = pf.read_row_groups(groups, columns=None if cols is None else
+                                       [c for c in cols if c in have])
+                return conform(t, cols)
 
         items = sorted(by_object.items())
         if len(items) > 1:  # an episode spanning objects: read them concurrently
@@ -127,6 +131,13 @@ class ArchiveReader:
         else:
             parts = [read(i) for i in items]
         return _select_episode(parts, sandbox, episode, columns)
+
+    def fetch_blob(self, row: dict[str, Any]) -> bytes:
+        """The claim-check blob of a TraceChunk row read from this archive, verified
+        (:func:`fetch_row_blob`; a reference relative to the archive root resolves against
+        this store)."""
+        endpoint = getattr(self.store, "endpoint_url", None)
+        return fetch_row_blob(row, endpoint, self.store)
 
     def scan_episode(self, task: str, sandbox: str, episode: str | None) -> pa.Table:
         """The same result as :meth:`episode` by scanning every live object of the task (for
@@ -251,7 +262,8 @@ class ArchiveReader:
                     parts.append(t.append_column("payload_json", payload).filter(mask))
         if not parts:
             return ARCHIVE_SCHEMA.empty_table().select(STREAM_COLUMNS)
-        return pa.concat_tables([p.select(STREAM_COLUMNS) for p in parts]).sort_by(
+        # objects of an older format declare other nullability: conform before concatenating
+        return pa.concat_tables([conform(p, STREAM_COLUMNS) for p in parts]).sort_by(
             [("task", "ascending"), ("sandbox", "ascending"), ("seq", "ascending")])
 
     def context_facts(self, task: str | None = None,
@@ -364,55 +376,65 @@ def with_decided_by(decisions: pa.Table) -> pa.Table:
 
 
 _DECIDED_BY = "coalesce(nullif(regexp_replace(producer_id, '^trajbus[.]', ''), ''), 'unknown')"
+
+
+def _sql_type(t: pa.DataType) -> str:
+    if pa.types.is_list(t):
+        return f"{_sql_type(t.value_type)}[]"
+    if pa.types.is_struct(t):
+        return "STRUCT(" + ", ".join(f"{f.name} {_sql_type(f.type)}" for f in t) + ")"
+    return {"string": "VARCHAR", "bool": "BOOLEAN", "int64": "BIGINT", "int32": "INTEGER",
+            "double": "DOUBLE"}[str(t)]
+
+
+def _typed(name: str) -> str:
+    """Promoted column ``name``, or (rows of objects written before it existed, format 2) the
+    same field from ``payload_json``, as ``name``."""
+    t = ARCHIVE_SCHEMA.field(name).type
+    if pa.types.is_string(t):
+        old = f"json_extract_string(payload_json, '$.{name}')"
+    else:
+        old = f"CAST(json_extract(payload_json, '$.{name}') AS {_sql_type(t)})"
+    return f"coalesce({name}, {old}) AS {name}"
+
+
 CONTEXT_VIEWS: dict[str, str] = {
     "decisions": "CREATE VIEW decisions AS SELECT event_id AS decision_id, "
-    "json_extract_string(payload_json, '$.decision') AS decision, "
-    f"{_DECIDED_BY} AS decided_by, "
-    "CAST(json_extract(payload_json, '$.suspicious') AS BOOLEAN) AS suspicious, "
-    "json_extract_string(payload_json, '$.request_id') AS request_id, "
-    "CAST(json_extract(payload_json, '$.cause_event_ids') AS VARCHAR[]) AS cause_event_ids, "
+    f"{_typed('decision')}, {_DECIDED_BY} AS decided_by, {_typed('suspicious')}, "
+    f"{_typed('request_id')}, {_typed('cause_event_ids')}, "
     "CAST(json_extract(payload_json, '$.details') AS MAP(VARCHAR, VARCHAR)) AS details, "
-    "* FROM _decisions_rows",
+    "* EXCLUDE (decision, suspicious, request_id, cause_event_ids) FROM _decisions_rows",
     "alerts": "CREATE VIEW alerts AS SELECT event_id AS alert_id, "
-    "json_extract_string(payload_json, '$.alert') AS alert, "
-    "CAST(json_extract(payload_json, '$.dry_run') AS BOOLEAN) AS dry_run, "
-    "CAST(json_extract(payload_json, '$.repeat_count') AS BIGINT) AS repeat_count, "
-    "CAST(json_extract(payload_json, '$.span_ms') AS BIGINT) AS span_ms, "
+    f"{_typed('alert')}, {_typed('dry_run')}, {_typed('repeat_count')}, {_typed('span_ms')}, "
     "CAST(json_extract(payload_json, '$.first_seq') AS BIGINT) AS first_seq, "
     "CAST(json_extract(payload_json, '$.last_seq') AS BIGINT) AS last_seq, "
-    "CAST(json_extract(payload_json, '$.distinct_results') AS BIGINT) AS distinct_results, "
+    f"{_typed('distinct_results')}, "
     "CAST(json_extract(payload_json, '$.pattern') AS VARCHAR[]) AS pattern, "
-    "* FROM _alerts_rows",
+    "* EXCLUDE (alert, dry_run, repeat_count, span_ms, distinct_results) FROM _alerts_rows",
     "dead_letters": "CREATE VIEW dead_letters AS SELECT event_id AS dead_letter_id, "
-    "json_extract_string(payload_json, '$.stage') AS stage, "
-    "json_extract_string(payload_json, '$.reason_code') AS reason_code, "
-    "json_extract_string(payload_json, '$.source_topic') AS source_topic, "
-    "CAST(json_extract(payload_json, '$.source_partition') AS INTEGER) AS source_partition, "
-    "CAST(json_extract(payload_json, '$.source_offset') AS BIGINT) AS source_offset, "
-    "* FROM _dead_letters_rows",
+    f"{_typed('stage')}, {_typed('reason_code')}, {_typed('source_topic')}, "
+    f"{_typed('source_partition')}, {_typed('source_offset')}, "
+    "* EXCLUDE (stage, reason_code, source_topic, source_partition, source_offset) "
+    "FROM _dead_letters_rows",
     "decision_acks": "CREATE VIEW decision_acks AS SELECT a.task, a.sandbox, a.event_time, "
-    "a.event_time_ms, a.event_id AS ack_id, "
-    "json_extract_string(a.payload_json, '$.decision_event_id') AS decision_id, "
-    "json_extract_string(a.payload_json, '$.decision') AS decision, "
+    "a.event_time_ms, a.event_id AS ack_id, a.decision_event_id AS decision_id, a.decision, "
     "a.outcome AS ack, json_extract_string(a.payload_json, '$.detail') AS detail, "
     "d.decided_by, d.event_time AS decided_at, a.date, a.hour "
-    "FROM events a LEFT JOIN decisions d "
-    "ON d.decision_id = json_extract_string(a.payload_json, '$.decision_event_id') "
-    "WHERE a.kind = 'DecisionAck'",
+    f"FROM (SELECT {_typed('decision_event_id')}, {_typed('decision')}, "
+    "* EXCLUDE (decision_event_id, decision) FROM events WHERE kind = 'DecisionAck') a "
+    "LEFT JOIN decisions d ON d.decision_id = a.decision_event_id",
     "lifecycle": "CREATE VIEW lifecycle AS SELECT task, sandbox, seq, event_time, "
     "event_time_ms, kind, state, previous_state, node, tenant, reason, "
-    "CAST(json_extract(payload_json, '$.final_seqs') AS STRUCT(episode VARCHAR, "
-    "final_seq BIGINT)[]) AS final_seqs, "
-    "CAST(json_extract(payload_json, '$.complete') AS BOOLEAN) AS complete, "
-    "CAST(json_extract(payload_json, '$.unflushed') AS BIGINT) AS unflushed, "
+    f"{_typed('final_seqs')}, {_typed('complete')}, {_typed('unflushed')}, "
     "producer_id, event_id, date, hour FROM events "
     "WHERE episode IS NULL AND kind IN ('SandboxLifecycle', 'Drained')",
 }
 """The decision-context views of :meth:`ArchiveReader.connect`: ``decisions`` (with
 ``decided_by``: scheduler / watchdog), ``alerts``, ``dead_letters``, ``decision_acks`` (the
 sandbox runtime's answers, joined to the decision they answer) and ``lifecycle`` (the
-sandboxes' state changes and drain reports). Fields beyond the archive's typed columns are
-extracted from ``payload_json``."""
+sandboxes' state changes and drain reports). Their fields are the archive's typed columns,
+read from ``payload_json`` in objects written before those columns existed (format 2), and
+a few more fields extracted from ``payload_json``."""
 
 PARTITION_SCHEMA = pa.schema([("date", pa.date32()), ("hour", pa.int32())])
 """The hive partition columns' types, the same in every view and every documented reader."""
@@ -448,18 +470,21 @@ def _select_episode(parts: list[pa.Table], sandbox: str, episode: str | None,
 
 def _local_view(con: Any, name: str, paths: list[str], schema: pa.Schema, hive: bool) -> None:
     if not paths:
-        empty = schema.empty_table()
-        if hive:
-            empty = _with_partitions(schema, hive).empty_table()
-        con.register(f"_{name}_empty", empty)
+        con.register(f"_{name}_empty", _with_partitions(schema, hive).empty_table())
         con.execute(f"CREATE VIEW {name} AS SELECT * FROM _{name}_empty")
         return
     listing = ", ".join("'" + p.replace("'", "''") + "'" for p in paths)
     options = ("hive_partitioning=true, hive_types={'date': DATE, 'hour': INTEGER}"
                if hive else "hive_partitioning=false")
     # union_by_name: files of an older archive schema (fewer columns) read with newer ones
-    con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet([{listing}], {options}, "
-                "union_by_name=true)")
+    files = f"SELECT * FROM read_parquet([{listing}], {options}, union_by_name=true)"
+    if not set(schema.names) <= set(pq.read_schema(paths[-1]).names):
+        # With union_by_name, one object of the current format gives every column; the last
+        # listed (usually the newest) is not one, and maybe none is: an empty table of the
+        # current schema first, so every column exists, with its type and in its order.
+        con.register(f"_{name}_empty", _with_partitions(schema, hive).empty_table())
+        files = f"SELECT * FROM _{name}_empty UNION ALL BY NAME {files}"
+    con.execute(f"CREATE VIEW {name} AS {files}")
 
 
 def reassemble_trace(events: pa.Table | Iterable[dict[str, Any]],
@@ -493,14 +518,18 @@ def reassemble_trace(events: pa.Table | Iterable[dict[str, Any]],
     return bytes(buf), missing
 
 
-def fetch_row_blob(row: dict[str, Any], endpoint_url: str | None = None) -> bytes:
+def fetch_row_blob(row: dict[str, Any], endpoint_url: str | None = None,
+                   archive: ObjectStore | None = None) -> bytes:
     """The claim-check blob of an archived TraceChunk row, verified against the row's
-    ``length`` and ``sha256`` (raises ``BlobIntegrityError`` on a mismatch)."""
+    ``length`` and ``sha256`` (raises ``BlobIntegrityError`` on a mismatch). A ``blob_uri``
+    relative to the archive root (``blobs/sha256/...``) is read from ``archive``, the store
+    the row was read from; an absolute one (objects written before references were made
+    relative, or a blob stored outside the archive) from the store it names."""
     from trajbus.producers.claimcheck import fetch_blob
     from trajbus.schemas.models import BlobRef
 
     ref = BlobRef(uri=row["blob_uri"], size=int(row["length"]), sha256=row["sha256"])
-    return fetch_blob(ref, endpoint_url)
+    return fetch_blob(ref, endpoint_url, archive)
 
 
 def sandbox_events(settings: Any, sandbox: str, episode: str | None = None

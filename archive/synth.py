@@ -119,6 +119,7 @@ def synthetic_table(n_events: int, *, sandboxes: int = 1_000, tasks: int = 10,
         "kafka_topic": pa.nulls(n_events, pa.string()).fill_null(topic),
         "kafka_partition": pc.cast(_mod(sb_num, partitions), pa.int32()),
         "kafka_offset": pc.divide(i, partitions),
+        "event_digest": i,  # a stand-in: unique per event, never null
     }
     if data is not None:
         cols["data"] = data

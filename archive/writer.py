@@ -33,12 +33,14 @@ import pyarrow.parquet as pq
 
 from trajbus.archive import layout
 from trajbus.archive.index import approx_row_bytes, build_index, index_to_bytes
-from trajbus.archive.rows import ARCHIVE_SCHEMA, with_event_time
+from trajbus.archive.rows import ARCHIVE_SCHEMA, fill_promoted, with_event_time
 from trajbus.archive.storage import ObjectNotFoundError, ObjectStore
 
 SORT_COLUMNS = ["sandbox", "episode", "seq", "kafka_offset"]
 DICTIONARY_COLUMNS = ["task", "sandbox", "episode", "kind", "producer_id", "tool", "status",
-                      "state", "previous_state", "node", "tenant", "outcome", "kafka_topic"]
+                      "state", "previous_state", "node", "tenant", "outcome", "kafka_topic",
+                      "probe", "content_type", "decision", "alert", "stage", "reason_code",
+                      "source_topic", "dataset"]
 HOUR_MS = 3_600_000
 
 
@@ -188,6 +190,7 @@ class ArchiveWriter:
         table = table.cast(ARCHIVE_SCHEMA) if table.schema != ARCHIVE_SCHEMA else table
         if table.column("event_time").null_count:  # rows read from an older archive schema
             table = with_event_time(table)
+        table = fill_promoted(table)  # rows of a format-2 object (compaction): from the JSON
         starts = row_group_starts(table, self.row_group_rows, self.row_group_bytes)
         bounds = [*starts, table.num_rows]
         schema = ARCHIVE_SCHEMA.with_metadata(

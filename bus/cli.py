@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import textwrap
 from typing import Any
 
 from trajbus.bus.settings import get_settings, mask_url_credentials, read_settings
@@ -54,11 +55,37 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     schemas = sub.add_parser(
         "schemas",
-        help="list the Avro event schemas and their fingerprints",
-        description="The Avro schemas in schemas/avro are the contract. Lists each schema's "
-        "full name and CRC-64-AVRO fingerprint (the 8 bytes after C3 01 on the wire).",
+        help="the Avro event schemas: list them, show one kind's fields",
+        description=textwrap.fill(
+            "The Avro schemas in schemas/avro are the contract. Without an action, lists "
+            "each schema's full name and CRC-64-AVRO fingerprint (the 8 bytes after C3 01 on "
+            "the wire); `schemas show KIND` prints the fields of one kind.", 90),
+        epilog="examples:\n  trajbus schemas\n  trajbus schemas show LivenessProbe\n"
+        "  trajbus schemas show trajbus.derived.SchedulingDecision --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     schemas.set_defaults(func=_schemas_list)
+    ssub = schemas.add_subparsers(dest="schemas_command", metavar="ACTION")
+    slist = ssub.add_parser("list", help="each schema's full name and fingerprint (the default)",
+                            description="Each bundled schema's full name and CRC-64-AVRO "
+                            "fingerprint, one per line.")
+    slist.set_defaults(func=_schemas_list)
+    show = ssub.add_parser(
+        "show", help="the fields of one event kind: name, type, default, doc",
+        description=textwrap.fill(
+            "Print the Avro fields of one event kind: name, type, default (blank: required) "
+            "and doc; the envelope's fields as header.*. "
+            "KIND is the short name (LivenessProbe, case-insensitive) or the full name "
+            "(trajbus.events.LivenessProbe); an unknown kind is an error listing the kinds. "
+            "How the fields become archive columns: archive/README.md (Columns).", 90),
+        epilog="examples:\n  trajbus schemas show TraceChunk\n"
+        "  trajbus schemas show watchdogalert --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    show.add_argument("kind", metavar="KIND", help="event kind, e.g. LivenessProbe "
+                      "(`trajbus schemas` lists them)")
+    show.add_argument("--json", action="store_true", help="print the schema's JSON document "
+                      "(the envelope inlined) instead of a table")
+    show.set_defaults(func=_schemas_show)
 
     config = sub.add_parser(
         "config",
@@ -159,6 +186,34 @@ def _schemas_list(args: argparse.Namespace) -> int:
     reg = default_registry()
     for name in reg.names:
         print(f"{reg.reader(name).fingerprint.hex()}  {name}")
+    return 0
+
+
+def _schemas_show(args: argparse.Namespace) -> int:
+    from trajbus.bus.errors import NotFoundError
+    from trajbus.schemas.registry import default_registry, describe_fields
+
+    reg = default_registry()
+    by_name = {n.lower(): n for n in reg.names}
+    by_name.update({n.rsplit(".", 1)[-1].lower(): n for n in reg.names})
+    full = by_name.get(args.kind.lower())
+    if full is None:
+        kinds = ", ".join(sorted(n.rsplit(".", 1)[-1] for n in reg.names))
+        raise NotFoundError(f"unknown event kind {args.kind!r}; kinds: {kinds}",
+                            hint="`trajbus schemas` lists them with their full names")
+    schema = reg.definition(full)
+    if args.json:
+        print(json.dumps(schema, indent=2))
+        return 0
+    print(f"{full}  fingerprint {reg.reader(full).fingerprint.hex()}")
+    if schema.get("doc"):
+        print(schema["doc"])
+    rows = [("field", "type", "default", "doc"), *describe_fields(schema)]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    print()
+    for r in rows:
+        line = "  ".join(c.ljust(w) for c, w in zip(r[:3], widths, strict=True))
+        print(f"{line}  {r[3]}".rstrip())
     return 0
 
 

@@ -11,7 +11,9 @@ Guarantees:
   a reader never gets bytes that differ from what the producer hashed.
 
 The store is ``settings.archive.url`` by default (a local directory, or ``s3://bucket/prefix``
-with ``settings.archive.s3_endpoint_url``).
+with ``settings.archive.s3_endpoint_url``). References on Kafka are absolute URIs; the archive
+stores a reference into itself relative to its root (``blobs/sha256/ab/cd/<sha>``, see
+``archive.rows.to_row``), which :func:`fetch_blob` reads given the archive's store.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ def blob_key(sha256_hex: str) -> str:
     return f"{BLOB_PREFIX}/{h[:2]}/{h[2:4]}/{h}"
 
 
-def _root_uri(url: str) -> str:
+def root_uri(url: str) -> str:
+    """The URI a store location's blob references start with: ``s3://bucket/prefix`` as is,
+    a local directory as the ``file://`` URI of its resolved absolute path."""
     if url.startswith("s3://"):
         return url.rstrip("/")
     return Path(url).expanduser().resolve().as_uri()
@@ -80,7 +84,7 @@ class ClaimCheck:
         else:
             store.put_bytes(key, data)
             self.puts += 1
-        return BlobRef(uri=f"{_root_uri(self.url)}/{key}", size=len(data), sha256=sha,
+        return BlobRef(uri=f"{root_uri(self.url)}/{key}", size=len(data), sha256=sha,
                        content_type=content_type)
 
 
@@ -100,17 +104,35 @@ _stores: dict[tuple[str, str | None], ObjectStore] = {}
 _stores_lock = threading.Lock()
 
 
-def fetch_blob(ref: BlobRef, endpoint_url: str | None = None) -> bytes:
-    """The bytes behind ``ref``, verified against its size and sha256."""
-    root, key = _split_uri(ref.uri)
-    if endpoint_url is None and root.startswith("s3://"):
-        endpoint_url = get_settings().archive.s3_endpoint_url
-    with _stores_lock:
-        store = _stores.get((root, endpoint_url))
-        if store is None:
-            store = open_store(root, endpoint_url)
-            _stores[(root, endpoint_url)] = store
-    data = store.get_bytes(key)
+def is_archive_relative(uri: str) -> bool:
+    """True for a reference relative to an archive root (``blobs/sha256/ab/cd/<sha>``), the
+    form the archive stores references into itself in."""
+    return uri.startswith(f"{BLOB_PREFIX}/") and "://" not in uri
+
+
+def fetch_blob(ref: BlobRef, endpoint_url: str | None = None,
+               archive: ObjectStore | None = None) -> bytes:
+    """The bytes behind ``ref``, verified against its size and sha256.
+
+    An absolute reference (``file:///.../blobs/sha256/...``, ``s3://bucket/prefix/blobs/...``)
+    is read from the store it names. A reference relative to an archive root
+    (:func:`is_archive_relative`) is read from ``archive``, the archive's store, which must
+    then be given."""
+    if is_archive_relative(ref.uri):
+        if archive is None:
+            raise ValueError(f"blob reference {ref.uri!r} is relative to an archive root: "
+                             "read it with the archive's store (ArchiveReader.fetch_blob)")
+        data = archive.get_bytes(blob_key(ref.uri.rsplit("/", 1)[-1]))
+    else:
+        root, key = _split_uri(ref.uri)
+        if endpoint_url is None and root.startswith("s3://"):
+            endpoint_url = get_settings().archive.s3_endpoint_url
+        with _stores_lock:
+            store = _stores.get((root, endpoint_url))
+            if store is None:
+                store = open_store(root, endpoint_url)
+                _stores[(root, endpoint_url)] = store
+        data = store.get_bytes(key)
     if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
         raise BlobIntegrityError(
             f"blob {ref.uri}: expected {ref.size} bytes sha256 {ref.sha256}, got {len(data)} "

@@ -69,6 +69,7 @@ class SchemaRegistry:
         self._envelope = raw[ENVELOPE]
         self._readers: dict[str, SchemaInfo] = {}
         self._writers: dict[bytes, SchemaInfo] = {}
+        self._definitions: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         for name, schema in sorted(raw.items()):
             if name == ENVELOPE:
@@ -76,6 +77,7 @@ class SchemaRegistry:
             info = self._parse(schema)
             self._readers[info.name] = info
             self._writers[info.fingerprint] = info
+            self._definitions[info.name] = _inline(schema, ENVELOPE, self._envelope)
 
     def _parse(self, schema: dict[str, Any]) -> SchemaInfo:
         # Inline the envelope so every schema is self-contained: its canonical form (and so
@@ -94,6 +96,11 @@ class SchemaRegistry:
         if info is None:
             raise KeyError(f"no bundled schema named {name!r}; known: {sorted(self._by_short())}")
         return info
+
+    def definition(self, name: str) -> dict[str, Any]:
+        """The reader schema of a full or short name as its JSON document (the envelope
+        inlined), with every field's type, default and doc."""
+        return self._definitions[self.reader(name).name]
 
     def _by_short(self) -> dict[str, str]:
         return _short_names(tuple(self._readers))
@@ -144,3 +151,40 @@ def default_registry() -> SchemaRegistry:
             if _default is None:
                 _default = SchemaRegistry()
     return _default
+
+
+def avro_type_name(t: Any) -> str:
+    """A compact rendering of an Avro type: ``string``, ``null | long``, ``array<string>``,
+    ``map<double>``, ``enum ToolStatus {OK, ERROR, TIMEOUT}``, ``record BlobRef {uri:
+    string, ...}``."""
+    if isinstance(t, str):
+        return t
+    if isinstance(t, list):
+        return " | ".join(avro_type_name(u) for u in t)
+    kind = t.get("type")
+    if kind == "array":
+        return f"array<{avro_type_name(t['items'])}>"
+    if kind == "map":
+        return f"map<{avro_type_name(t['values'])}>"
+    if kind == "enum":
+        return f"enum {t['name']} {{{', '.join(t['symbols'])}}}"
+    if kind == "record":
+        inner = ", ".join(f"{f['name']}: {avro_type_name(f['type'])}" for f in t["fields"])
+        return f"record {t['name']} {{{inner}}}"
+    return avro_type_name(kind)
+
+
+def describe_fields(schema: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(name, type, default, doc) of each field of a record schema, in order; the envelope
+    (``header``) expanded as ``header.<field>`` rows. ``default`` is the JSON of the default,
+    blank for a required field."""
+    out: list[tuple[str, str, str, str]] = []
+    for f in schema.get("fields", []):
+        t = f["type"]
+        if f["name"] == "header" and isinstance(t, dict) and t.get("type") == "record":
+            out += [(f"header.{name}", type_, default, doc)
+                    for name, type_, default, doc in describe_fields(t)]
+            continue
+        default = json.dumps(f["default"]) if "default" in f else ""
+        out.append((f["name"], avro_type_name(t), default, f.get("doc", "")))
+    return out

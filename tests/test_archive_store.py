@@ -205,7 +205,8 @@ def test_writing_the_same_batch_twice_yields_no_duplicates(tmp_path: Path) -> No
     store = LocalStore(tmp_path / "arch")
     events = fleet()
     table = rows_to_table([to_row(e.KIND, e.to_record() | {"header": e.header.model_dump()},
-                                  TOPIC, 0, i) for i, e in enumerate(events)])
+                                  TOPIC, 0, i) | {"event_digest": i}
+                           for i, e in enumerate(events)])
     w = ArchiveWriter(store)
     first = w.write_batch(table, TOPIC, 0, 0, len(events) - 1)
     keys1 = sorted(o.key for o in store.list())
@@ -222,7 +223,8 @@ def test_a_batch_written_by_two_threads_is_the_same_as_written_by_one(tmp_path: 
     bytes, same index, in the same order."""
     events = fleet(sandboxes=6, tasks=("web", "code", "math"))
     table = rows_to_table([to_row(e.KIND, e.to_record() | {"header": e.header.model_dump()},
-                                  TOPIC, 0, i) for i, e in enumerate(events)])
+                                  TOPIC, 0, i) | {"event_digest": i}
+                           for i, e in enumerate(events)])
     results = {}
     for threads in (1, 2):
         store = LocalStore(tmp_path / f"arch-{threads}")
@@ -246,7 +248,8 @@ def test_a_failed_object_write_fails_the_batch_after_every_write_ended(tmp_path:
     and no other write is still running when the error reaches the caller."""
     events = fleet(sandboxes=6, tasks=("web", "code", "math"))
     table = rows_to_table([to_row(e.KIND, e.to_record() | {"header": e.header.model_dump()},
-                                  TOPIC, 0, i) for i, e in enumerate(events)])
+                                  TOPIC, 0, i) | {"event_digest": i}
+                           for i, e in enumerate(events)])
     running = 0
     lock = threading.Lock()
 

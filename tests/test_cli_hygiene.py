@@ -47,7 +47,7 @@ OFFLINE = {
     # the local cluster's drills (no cluster there: they say so)
     ("kafka", "kill-node"), ("kafka", "stop-node"), ("kafka", "start-node"),
     ("kafka", "pause-node"), ("kafka", "resume-node"),
-    ("schemas",), ("config",),
+    ("schemas",), ("schemas", "list"), ("schemas", "show"), ("config",),
     ("archive", "episode"), ("archive", "episodes"), ("archive", "sql"), ("archive", "compact"),
     ("archive", "retention"), ("archive", "context"), ("archive", "files"),
 }
