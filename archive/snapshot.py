@@ -122,7 +122,11 @@ _STORES_LOCK = threading.Lock()
 
 def _store(url: str, endpoint: str | None) -> ObjectStore:
     """One store per (url, endpoint) per process, checked once: an S3 store owns a
-    connection pool (boto3 client, pyarrow filesystem), so a loop of snapshots shares one."""
+    connection pool (boto3 client, pyarrow filesystem), so a loop of snapshots shares one.
+    A local path is keyed by its absolute form (a relative one names another archive after
+    a change of directory)."""
+    if "://" not in url:
+        url = os.path.abspath(url)
     with _STORES_LOCK:
         store = _STORES.get((url, endpoint))
         if store is None:

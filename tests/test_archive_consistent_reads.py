@@ -69,33 +69,19 @@ def readers(url: str, s3: bool) -> dict[str, Reader]:
     import polars as pl
     import pyarrow.compute as pc
 
-    hive = {"date": pl.Date, "hour": pl.Int32, "task": pl.String}
 
     def with_pyarrow() -> tuple[int, int]:
         ids = snapshot(url).dataset().to_table(columns=["event_id"]).column("event_id")
         return len(ids), pc.count_distinct(ids).as_py()
 
     def with_polars() -> tuple[int, int]:
-        snap = snapshot(url)
-        if not snap.files:
-            return 0, 0
-        df = pl.scan_parquet(snap.files, hive_partitioning=True, hive_schema=hive,
-                             storage_options=snap.storage_options).select(
+        df = pl.scan_pyarrow_dataset(snapshot(url).dataset()).select(
             pl.len(), pl.col("event_id").n_unique()).collect()
         return int(df.item(0, 0)), int(df.item(0, 1))
 
     def with_duckdb() -> tuple[int, int]:
-        snap = snapshot(url)
-        q = "SELECT count(*), count(DISTINCT event_id) FROM "
-        if s3:  # DuckDB queries the snapshot's pyarrow dataset (no extension)
-            events = snap.dataset()  # noqa: F841 (DuckDB finds it by name)
-            row = duckdb.sql(q + "events").fetchall()[0]
-        elif not snap.files:
-            return 0, 0
-        else:
-            row = duckdb.execute(q + "read_parquet($files, hive_partitioning=true, "
-                                 "hive_types={'date': DATE, 'hour': INTEGER})",
-                                 {"files": snap.files}).fetchall()[0]
+        events = snapshot(url).dataset()  # noqa: F841 (DuckDB finds it by name)
+        row = duckdb.sql("SELECT count(*), count(DISTINCT event_id) FROM events").fetchall()[0]
         return int(row[0]), int(row[1])
 
     return {"pyarrow": with_pyarrow, "polars": with_polars, "duckdb": with_duckdb}
@@ -258,3 +244,19 @@ def test_a_snapshot_taken_before_a_compaction_still_reads_exactly_after_the_swit
     raw = duckdb.sql(f"SELECT count(*) FROM read_parquet('{store.root}/events/**/*.parquet')"
                      ).fetchall()[0][0]
     assert raw > len(events)  # ... but are still there, for readers of the old snapshot
+
+
+def test_a_relative_archive_path_names_the_archive_of_the_current_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Snapshots share one store per archive; a relative path is resolved first, so the same
+    ".trajbus/archive" in two directories is two archives, not the first one again."""
+    for name, n in (("one", 3), ("two", 5)):
+        here = tmp_path / name
+        store = LocalStore(here / ".trajbus" / "archive")
+        shell = shell_for(store, here)
+        events = [e for i in range(n) for e in episode_events("t", f"sb-{i}", "00000",
+                                                             t0_ms=T0)]
+        step = shell.process(records(events))
+        shell.committed(step.batches + shell.flush_all().batches)
+        monkeypatch.chdir(here)
+        assert snapshot(".trajbus/archive").dataset().count_rows() == len(events)

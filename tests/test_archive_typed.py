@@ -518,3 +518,4 @@ def test_readme_typed_column_snippets_run_verbatim_over_old_and_new_objects(
     assert old_json == [("12",), ("15000",)]  # the fields are in payload_json
     assert ns["failed"]["sandbox"].to_list() == ["sb-probe"]
     assert ns["failed"]["latency_ms"].to_list() == [15_000]
+    assert ns["failed_too"]["sandbox"].to_list() == ["sb-probe"]
