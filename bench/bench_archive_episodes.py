@@ -1,7 +1,8 @@
 """What the archive's ``episodes`` table costs at scale.
 
 ``ArchiveReader.connect()`` (``trajbus archive sql`` with a query that names ``episodes``)
-and ``ArchiveReader.episodes()`` build the table from the episode index: one index row per (episode, object). This measures
+and ``ArchiveReader.episodes()`` build the table from the episode index: one index row per
+(episode, object). This measures
 :func:`trajbus.archive.episodes.build_episodes` (the arithmetic in DuckDB) beside
 :func:`~trajbus.archive.episodes.build_episodes_reference` (the same rules in Python, one
 episode at a time) on a synthetic index -- N episodes, each in ``--objects`` objects (an

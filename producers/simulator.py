@@ -278,8 +278,8 @@ class _Sandbox:
             ended = await self._episode(rec, migrate=(n == migrate_at))
             if not ended:
                 break  # crashed without EpisodeEnd: the sandbox is recycled
-        em = self.em
-        assert em is not None
+        assert self.em is not None
+        em = self.em  # reopened by a migration, if any
         if placements is not None and self.looped:
             decision_id = await placements.termination(self.name, cfg.terminate_wait_s)
             if decision_id is not None:

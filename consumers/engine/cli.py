@@ -115,7 +115,7 @@ def build_specs(settings: Settings, names: list[str]) -> list[Any]:
 
 async def run_workers(settings: Settings, names: list[str], worker_id: str,
                       until_idle: float | None = None, *,
-                      on_stop: Callable[[str], None] | None = None,
+                      on_stop: Callable[[str], object] | None = None,
                       ops: Any = None) -> dict[str, int]:
     """Run the named processors in this process until a signal, ``until_idle`` or a failure
     (:class:`~trajbus.consumers.engine.supervisor.Worker` says what survives what)."""

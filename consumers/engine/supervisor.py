@@ -49,7 +49,7 @@ class Worker:
 
     def __init__(self, settings: Settings, specs: list[ProcessorSpec], worker_id: str, *,
                  runner_factory: RunnerFactory = Runner,
-                 on_stop: Callable[[str], None] | None = None) -> None:
+                 on_stop: Callable[[str], object] | None = None) -> None:
         self.settings = settings
         self.specs = specs
         self.worker_id = worker_id

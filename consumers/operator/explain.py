@@ -392,10 +392,10 @@ async def explain(settings: Settings, sandbox: str, *, timeout_s: float = 300.0)
             divergences.append(Divergence(
                 "reproduced_not_recorded", eid,
                 f"{rep_d.label} at {_iso(rep_d.time_ms)}: {rep_d.reason}"))
-        d = rec_d or rep_d
-        assert d is not None
-        causes, unresolved = _causes(d, index)
-        items.append(ExplainedItem(d, status, tuple(causes), tuple(unresolved)))
+        derived = rec_d or rep_d
+        assert derived is not None
+        causes, unresolved = _causes(derived, index)
+        items.append(ExplainedItem(derived, status, tuple(causes), tuple(unresolved)))
     if not items and not any(e.sandbox == sandbox for e in index.values()):
         raise NotFoundError(f"no events of sandbox {sandbox!r} in the processors' inputs "
                             "and no decision or alert about it",

@@ -185,11 +185,12 @@ async def watchdog_history(settings: Settings, sandbox: str, episode: str | None
             h.moments.append(WatchdogMoment(o.alert, o.event_time_ms, o.seq, ex[0], alert,
                                             decision if o.alert == "LOOP" else None,
                                             evidence if o.alert == "LOOP" else ()))
-    for ex in core.explain(sandbox, episode):  # still open at the end of the log
-        last = by_episode[ex.episode][-1] if by_episode[ex.episode] else None
-        h = histories.setdefault(ex.episode, StreamHistory(ex.task, sandbox, ex.episode, []))
+    for still_open in core.explain(sandbox, episode):  # still open at the end of the log
+        last = by_episode[still_open.episode][-1] if by_episode[still_open.episode] else None
+        h = histories.setdefault(still_open.episode, StreamHistory(
+            still_open.task, sandbox, still_open.episode, []))
         h.moments.append(WatchdogMoment("end of the log (episode not ended)",
-                                        last.time_ms if last else ex.last_event_time_ms,
-                                        ex.last_seq, ex))
+                                        last.time_ms if last else still_open.last_event_time_ms,
+                                        still_open.last_seq, still_open))
     return [histories[k] for k in sorted(histories, key=lambda k: (
         min((m.time_ms for m in histories[k].moments), default=0), k or ""))]

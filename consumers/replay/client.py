@@ -1043,8 +1043,11 @@ class ReplayClient:
 
     async def _resolve_start(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         assert self._consumer is not None
+        start = self.start_position
+        if start == "resume":  # nothing to seek: the group's committed offsets apply
+            return {}
         # ``latest`` reaches here only for topics created since start(): from their beginning
-        position = "earliest" if self.start_position == "latest" else self.start_position
+        position = "earliest" if start == "latest" else start
         return dict(await resolve_offsets(self._consumer, tps, position))
 
     def _seek_start(self, targets: dict[TopicPartition, int]) -> None:
