@@ -13,8 +13,8 @@ into ``infra/spark/lib/`` (git-ignored) with Maven, once::
 
 ``spark.jars`` is read when the session's JVM starts: set it on the first session of a
 process. ``make spark-jars`` (``python -m trajbus.infra.s3a``) fetches them and prints their
-directory. ``TRAJBUS_SPARK_S3A_LIB_DIR`` points at a directory of these jars fetched
-elsewhere (for a machine without Maven), used as is.
+directory. On a machine without Maven, give ``spark.jars`` the jars the pom names, fetched
+elsewhere.
 """
 
 from __future__ import annotations
@@ -68,22 +68,13 @@ def ensure_s3a_jars(lib_dir: Path | None = None, *, force: bool = False,
                     quiet: bool = False) -> Path:
     """Return a directory holding ``hadoop-aws`` and the AWS SDK modules S3A needs.
 
-    With ``TRAJBUS_SPARK_S3A_LIB_DIR`` set (and no ``lib_dir``) that directory is used as is.
-    Otherwise the jars live in ``infra/spark/lib/`` and are (re)fetched with
+    The jars live in ``lib_dir`` (default ``infra/spark/lib/``) and are (re)fetched with
     ``mvn -f infra/spark/pom.xml`` when missing, when the pom changed since the last fetch (a
     stamp records its hash) or when ``force`` is set; Maven caches downloads in ``~/.m2``.
     Concurrent callers serialize on a file lock. Raises :class:`S3ASetupError` when Java or
     Maven is missing or the fetch fails.
     """
-    if lib_dir is None:
-        env_dir = os.environ.get("TRAJBUS_SPARK_S3A_LIB_DIR")
-        if env_dir:
-            path = Path(env_dir).expanduser().resolve()
-            if not any(path.glob(_MARKER)):
-                raise S3ASetupError(f"TRAJBUS_SPARK_S3A_LIB_DIR={env_dir} holds no {_MARKER}")
-            return path
-        lib_dir = S3A_LIB_DIR
-    lib_dir = Path(lib_dir).resolve()
+    lib_dir = Path(lib_dir or S3A_LIB_DIR).resolve()
     if not force and _fresh(lib_dir, POM_PATH):
         return lib_dir
     with _file_lock(lib_dir / ".fetch.lock"):
@@ -93,9 +84,8 @@ def ensure_s3a_jars(lib_dir: Path | None = None, *, force: bool = False,
         if mvn is None:
             raise S3ASetupError(
                 "`mvn` not found on PATH: Maven fetches hadoop-aws and the AWS SDK for Spark's "
-                "s3a:// from Maven Central (Debian/Ubuntu: `apt-get install maven`), or set "
-                "TRAJBUS_SPARK_S3A_LIB_DIR to a directory of the jars infra/spark/pom.xml "
-                "names.")
+                "s3a:// from Maven Central (Debian/Ubuntu: `apt-get install maven`), or give "
+                "Spark (spark.jars) the jars infra/spark/pom.xml names, fetched elsewhere.")
         try:
             _require_java()
         except KafkaSetupError as exc:

@@ -20,10 +20,11 @@ from support import REPO, ci_enabled
 from test_archive_readme import blocks, build
 
 from trajbus.archive.storage import open_store
-from trajbus.infra.s3a import S3ASetupError, ensure_s3a_jars, spark_hadoop_version
+from trajbus.infra import s3a
+from trajbus.infra.s3a import S3ASetupError, ensure_s3a_jars, s3a_jars, spark_hadoop_version
 from trajbus.schemas.models import Event
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.java]
+pytestmark = [pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +45,7 @@ def spark_snippet() -> str:
     return snippet
 
 
+@pytest.mark.java
 def test_the_fetched_jars_are_hadoop_aws_at_sparks_hadoop_without_the_sdk_bundle(
         s3a_lib: Path) -> None:
     names = {jar.name for jar in s3a_lib.glob("*.jar")}
@@ -58,6 +60,7 @@ def test_the_fetched_jars_are_hadoop_aws_at_sparks_hadoop_without_the_sdk_bundle
     assert sum(jar.stat().st_size for jar in s3a_lib.glob("*.jar")) < 30_000_000
 
 
+@pytest.mark.java
 def test_readme_spark_snippet_reads_the_s3_snapshot_over_s3a_each_event_once(
         s3a_lib: Path, s3_server: str, tmp_path: Path) -> None:
     bucket = f"spark-{uuid.uuid4().hex[:8]}"
@@ -85,3 +88,13 @@ def test_readme_spark_snippet_reads_the_s3_snapshot_over_s3a_each_event_once(
     assert got["sb"] == sorted([e.header.episode, e.header.seq] for e in evs
                                if e.header.sandbox == "SB")
     assert got["sb"]
+
+
+def test_a_pyspark_with_another_hadoop_is_refused_before_any_fetch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """hadoop-aws must be the Hadoop that Spark bundles: a mismatch fails at the first s3a://
+    call inside the JVM, so ``s3a_jars()`` says so up front, naming both versions."""
+    monkeypatch.setattr(s3a, "spark_hadoop_version", lambda: "3.3.4")
+    monkeypatch.setattr(s3a, "ensure_s3a_jars", lambda *a, **k: pytest.fail("fetched"))
+    with pytest.raises(S3ASetupError, match=r"bundles Hadoop 3\.3\.4.*pins hadoop-aws 3\.5\.0"):
+        s3a_jars()
