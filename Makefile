@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 
-.PHONY: demo test test-fast test-unit lint bench soak setup jars browser promtool clean help
+.PHONY: demo test test-fast test-unit lint bench soak setup jars spark-jars browser promtool clean help
 
 help:
 	@echo "make demo   - run the main job: local Kafka, processors, simulated fleet, archive"
@@ -53,6 +53,11 @@ $(STAMP): pyproject.toml
 
 jars: $(STAMP)
 	$(VENV)/bin/trajbus kafka jars
+
+# hadoop-aws and the AWS SDK modules Spark needs for s3a:// (13 MB, into infra/spark/lib; see
+# infra/spark/pom.xml). Not part of `setup`: the Spark-over-S3 test fetches them on first use.
+spark-jars: $(STAMP)
+	$(PY) -m trajbus.infra.s3a
 
 demo: setup
 	$(VENV)/bin/trajbus demo $(DEMO_ARGS)

@@ -149,7 +149,7 @@ def test_decision_context_snippets_answer_outcomes_decisions_and_dead_letters(
     archive_context(LocalStore(tmp_path / ".trajbus" / "archive"), tmp_path, fleet_)
     monkeypatch.chdir(tmp_path)
     ns: dict[str, Any] = {}
-    exec(blocks("python")[3], ns)
+    exec(blocks("python")[4], ns)
     assert ns["ending"] == ("terminated", "scheduler", "DONE")
     assert ("watchdog", "watchdog: loop") in ns["deciders"]
     assert ("scheduler", "watchdog: agent loop") in ns["deciders"]

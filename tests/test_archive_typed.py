@@ -509,7 +509,7 @@ def test_readme_typed_column_snippets_run_verbatim_over_old_and_new_objects(
 
     monkeypatch.chdir(tmp_path)
     ns: dict[str, Any] = {}
-    exec(blocks("python")[4], ns)
+    exec(blocks("python")[5], ns)
     assert ns["probes"] == [("sb-old", None, None), ("sb-old", None, None),
                             ("sb-probe", False, 15_000), ("sb-probe", True, 12)]
     old_json = duckdb.sql(f"SELECT payload_json->>'latency_ms' FROM read_parquet('{store.root}"
