@@ -207,8 +207,8 @@ class ReorderCore(HeldAdmission):
                     return out
                 # Stall path: a plain event beyond the next expected seq of an open episode with
                 # no known last seq (it starts or extends the buffer), or the missing seq of a
-                # stalled one (it releases what is contiguous). Exactly what _slow does for
-                # such an event, minus its checks that cannot fail here; anything unusual
+                # stalled one (it releases what is contiguous): _slow's transitions (_touch,
+                # _drain, _buffer) without its checks that cannot fail here; anything unusual
                 # (duplicates, bounds reached, ends, odd types) still goes through _slow.
                 if (
                     ep is not None
@@ -222,13 +222,10 @@ class ReorderCore(HeldAdmission):
                     and type(raw) is bytes
                 ):
                     buf = ep.buf
-                    n = len(raw)
                     self._now = now  # the drain / buffer below may (re)arm a stall timer
                     if seq == ep.next_seq:  # (buf is not None: else the fast path took it)
                         self._c["events"] += 1
-                        if now > ep.active:
-                            ep.active = now
-                        self._dirty_eps.add(ep)
+                        self._touch(ep)
                         out = []
                         self._drain(ep, out, None, (raw, content_digest(raw), t))
                         if self._clock >= self._next_due:
@@ -237,21 +234,12 @@ class ReorderCore(HeldAdmission):
                     if (
                         (buf is None or seq not in buf)
                         and (0 if buf is None else len(buf)) < self._max_ep
-                        and ep.buf_bytes + n <= self._max_ep_bytes
+                        and ep.buf_bytes + len(raw) <= self._max_ep_bytes
                         and self._buffered < self._max_total
                     ):  # buffer it (no bound is reached: nothing to force-close)
                         self._c["events"] += 1
-                        if now > ep.active:
-                            ep.active = now
-                        self._dirty_eps.add(ep)
-                        if buf is None:
-                            buf = ep.buf = {}
-                            ep.expect = -1
-                            self._arm_gap(ep)
-                        buf[seq] = (raw, content_digest(raw), t)
-                        ep.buf_bytes += n
-                        self._buffered += 1
-                        self._buffered_bytes += n
+                        self._touch(ep)
+                        self._buffer(ep, seq, raw, content_digest(raw), t)
                         out = []
                         if self._clock >= self._next_due:
                             self._fire(out)
@@ -471,9 +459,7 @@ class ReorderCore(HeldAdmission):
             what = "EpisodeEnd" if ep.end_seq >= 0 else "drained final seq"
             out.append(self._dl(ev, "seq_after_end", f"seq {seq} after the {what} at {ep.stop}"))
             return
-        if self._now > ep.active:
-            ep.active = self._now
-        self._dirty_eps.add(ep)
+        self._touch(ep)
         if is_end:
             if ep.end_seq >= 0 and seq != ep.end_seq:
                 out.append(self._dl(ev, "conflicting_end",
@@ -487,12 +473,8 @@ class ReorderCore(HeldAdmission):
             self._drain(ep, out, None, (ev.raw, content_digest(ev.raw), ev.event_time_ms))
             return
         buf = ep.buf
-        if buf is None:
-            buf = ep.buf = {}
-            ep.expect = -1
-            self._arm_gap(ep)
         digest = content_digest(ev.raw)  # kept with it, or compared with the buffered one
-        have = buf.get(seq)
+        have = None if buf is None else buf.get(seq)
         if have is not None:
             if have[1] == digest:
                 c["duplicates"] += 1
@@ -502,11 +484,7 @@ class ReorderCore(HeldAdmission):
                                     f"seq {seq} already buffered with different content",
                                     have[0]))
             return
-        n = len(ev.raw)
-        buf[seq] = (ev.raw, digest, ev.event_time_ms)
-        ep.buf_bytes += n
-        self._buffered += 1
-        self._buffered_bytes += n
+        self._buffer(ep, seq, ev.raw, digest, ev.event_time_ms)
         while ep.buf and (len(ep.buf) > self._max_ep or ep.buf_bytes > self._max_ep_bytes):
             c["forced_gap_closes"] += 1
             self._close_gap(ep, out)
@@ -613,6 +591,28 @@ class ReorderCore(HeldAdmission):
             if not buf:
                 ep.buf = None
                 ep.gap_since = -1
+
+    def _touch(self, ep: EpisodeState) -> None:
+        """An event of the episode is accepted at the arrival time ``_now``: its idle clock
+        moves there (never backwards: log times of two topics interleave) and its state is
+        changed."""
+        if self._now > ep.active:
+            ep.active = self._now
+        self._dirty_eps.add(ep)
+
+    def _buffer(self, ep: EpisodeState, seq: int, raw: bytes, digest: int, t: int) -> None:
+        """Keep an event beyond next_seq until its predecessors arrive; the first one buffered
+        stalls the episode (its stall timer starts)."""
+        buf = ep.buf
+        if buf is None:
+            buf = ep.buf = {}
+            ep.expect = -1
+            self._arm_gap(ep)
+        buf[seq] = (raw, digest, t)
+        n = len(raw)
+        ep.buf_bytes += n
+        self._buffered += 1
+        self._buffered_bytes += n
 
     def _unbuffer(self, ep: EpisodeState, n: int) -> None:
         ep.buf_bytes -= n
