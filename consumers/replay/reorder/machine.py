@@ -176,7 +176,9 @@ class ReorderCore(HeldAdmission):
                 now = log_t if log_t > clock else clock
                 ep = self._eps.get((sandbox, episode))  # type: ignore[arg-type]
                 # Fast path: the next expected event of an open episode with nothing buffered
-                # (expect is -1 otherwise: a seq of -1 must not match it).
+                # (expect is -1 otherwise: a seq of -1 must not match it). It is _slow's
+                # seq == next_seq transition (_touch, then _drain of one event) written out for
+                # an empty buffer, inline: the calls cost the in-order rate (bench/ANALYSIS.md).
                 if (
                     ep is not None
                     and seq == ep.expect >= 0
