@@ -52,7 +52,8 @@ PURE = (
     "trajbus.consumers.scheduler",  # the core and its rooms, placement
     "trajbus.consumers.replay.core",  # the façade
     "trajbus.consumers.replay.reorder",  # its rooms
-    "trajbus.consumers.watchdog.core",
+    "trajbus.consumers.watchdog.core",  # the façade
+    "trajbus.consumers.watchdog.detector",  # its rooms
     "trajbus.consumers.watchdog.canonical",
     "trajbus.archive.core",
 )
