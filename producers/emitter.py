@@ -85,6 +85,8 @@ from trajbus.schemas.models import (
     now_ms,
 )
 
+from .sending import QueuedEvent, SenderMember
+
 __all__ = [
     "EXACT_FIELDS",
     "AckInfo",
@@ -207,22 +209,6 @@ class DrainReport:
         return len(self.unflushed)
 
 
-@dataclass(eq=False, slots=True)
-class _Item:
-    rid: int
-    seg: int
-    offset: int
-    length: int
-    topic: str
-    kind: str
-    stream: str
-    seq: int
-    event_id: str
-    value: bytes | None  # None = spilled: read back from the journal to send
-    resent: bool = False
-    in_flight: bool = False
-
-
 def _summary(text: str, limit: int = SUMMARY_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -328,8 +314,8 @@ class SandboxEmitter:
         self._lifecycle: str | None = None
 
         # queue
-        self._pending: list[tuple[int, _Item]] = []
-        self._unacked: dict[int, _Item] = {}
+        self._pending: list[tuple[int, QueuedEvent]] = []
+        self._unacked: dict[int, QueuedEvent] = {}
         self._seg_unacked: dict[int, int] = {}
         self._mem_items = 0
         self._acked_rids: list[int] = []
@@ -402,7 +388,7 @@ class SandboxEmitter:
             if r.rid in rec.acked:
                 continue
             h = r.header
-            item = _Item(r.rid, r.seg, r.offset, r.length, h["tp"], h["k"], h["s"], h["q"],
+            item = QueuedEvent(r.rid, r.seg, r.offset, r.length, h["tp"], h["k"], h["s"], h["q"],
                          h["id"], None, resent=True)
             self._unacked[r.rid] = item
             heapq.heappush(self._pending, (r.rid, item))
@@ -617,7 +603,7 @@ class SandboxEmitter:
         if acks:
             self._acked_rids = []
         self._apply(h)
-        item = _Item(rid, seg, off, length, topic, kind, stream, seq, event_id,
+        item = QueuedEvent(rid, seg, off, length, topic, kind, stream, seq, event_id,
                      value if in_memory else None)
         if in_memory:
             self._mem_items += 1
@@ -630,16 +616,44 @@ class SandboxEmitter:
             self._shared.notify(self)
         return event_id, rid
 
-    # -- sending: the protocol of the loop's SharedSender (trajbus.producers.sender) --------
-    # The sender calls only these methods (and reads ``_producer``, ``_key``, ``_on_ack``).
-    def _sender_wants_round(self) -> bool:
+    # -- sending: SenderMember (trajbus.producers.sending), for the loop's SharedSender only --
+    @property
+    def sender_producer(self) -> AIOKafkaProducer | None:
+        """The producer this emitter's events go through (:class:`SenderMember`)."""
+        return self._producer
+
+    @sender_producer.setter
+    def sender_producer(self, producer: AIOKafkaProducer | None) -> None:
+        self._producer = producer
+
+    @property
+    def sender_key(self) -> bytes:
+        """The record key of every event (the sandbox id)."""
+        return self._key
+
+    @property
+    def sender_keeps_values(self) -> bool:
+        """Whether acks carry the bytes sent (an ``on_ack`` callback wants them)."""
+        return self._on_ack is not None
+
+    @property
+    def sender_journal_dir(self) -> Path | None:
+        """The journal's directory (None without a journal)."""
+        return None if self._journal is None else self._journal.dir
+
+    @property
+    def sender_joined(self) -> SharedSender | None:
+        """The shared sender this emitter has joined (None once it has left)."""
+        return self._shared
+
+    def sender_wants_round(self) -> bool:
         """Active with events pending (a backlog, or a backoff that ended)."""
         return self._send_state == "active" and bool(self._pending)
 
-    def _sender_active(self) -> bool:
+    def sender_active(self) -> bool:
         return self._send_state == "active"
 
-    def _sender_take(self, limit: int, now: float) -> list[_Item]:
+    def sender_take(self, limit: int, now: float) -> list[QueuedEvent]:
         """Up to ``limit`` pending events in record-id (seq) order for this round; none while
         not active or backing off. With nothing pending this is an ack turn: the collected
         acks are journaled (and a drained segment rolled) now."""
@@ -658,19 +672,19 @@ class SandboxEmitter:
                 batch[i:i + window] = part
         return batch
 
-    def _sender_sync_fd(self) -> int | None:
+    def sender_sync_fd(self) -> int | None:
         """A duplicate of the journal's fd to fdatasync before this round's events are sent
         (None: no sync needed -- ``durability="os"``, or nothing written since the last)."""
         if self.durability != "fsync" or self._journal is None:
             return None
         return self._journal.sync_fd()
 
-    def _sender_unsynced(self) -> None:
+    def sender_unsynced(self) -> None:
         """The sync round did not happen: sync again before the next send."""
         if self._journal is not None:
             self._journal.mark_dirty()
 
-    def _sender_sync_failed(self, items: list[_Item], exc: OSError) -> None:
+    def sender_sync_failed(self, items: list[QueuedEvent], exc: OSError) -> None:
         """After a failed fdatasync the kernel may have dropped the journal's dirty pages: a
         later sync that succeeds proves nothing about them. So this emitter sends nothing more
         (its events stay journaled; a restarted emitter re-sends what the disk holds)."""
@@ -678,7 +692,7 @@ class SandboxEmitter:
         self._send_state = "failed"
         self.last_error = f"journal sync failed, sending stopped: {exc}"
 
-    def _sender_value(self, item: _Item) -> bytes | None:
+    def sender_value(self, item: QueuedEvent) -> bytes | None:
         """The bytes to send: in memory, or read back from the journal (spilled)."""
         if item.value is not None:
             return item.value
@@ -689,12 +703,12 @@ class SandboxEmitter:
             self.last_error = f"journal read: {exc}"
             return None
 
-    def _sender_put_back(self, items: list[_Item]) -> None:
+    def sender_put_back(self, items: list[QueuedEvent]) -> None:
         """Taken events that were not sent (paused or closed meanwhile)."""
         if self._send_state != "closed":
             self._requeue(items)
 
-    def _sender_retry(self, items: list[_Item], error: str,
+    def sender_retry(self, items: list[QueuedEvent], error: str,
                       delay: float | None = None) -> None:
         """The producer refused these events: back to the queue, retried after a backoff."""
         self.last_error = error
@@ -705,20 +719,20 @@ class SandboxEmitter:
         if self._shared is not None:
             self._shared.retry_later(self, delay)
 
-    def _sender_sent_ok(self) -> None:
+    def sender_sent_ok(self) -> None:
         self._backoff = BACKOFF_MIN_S / 2
 
-    def _sender_stop(self, error: str) -> None:
+    def sender_stop(self, error: str) -> None:
         """A bug or a vanished journal: send nothing more (the events stay journaled)."""
         self._send_state = "failed"
         self.last_error = error
 
-    def _requeue(self, items: list[_Item]) -> None:
+    def _requeue(self, items: list[QueuedEvent]) -> None:
         """Events taken for a send that did not happen go back to the pending queue."""
         for it in items:
             heapq.heappush(self._pending, (it.rid, it))
 
-    def _sender_failed(self, item: _Item, exc: BaseException) -> None:
+    def sender_failed(self, item: QueuedEvent, exc: BaseException) -> None:
         """The batch carrying ``item`` was not delivered: send it again (next round)."""
         item.in_flight = False
         if self._closed_flag:
@@ -728,7 +742,7 @@ class SandboxEmitter:
         if self._shared is not None:
             self._shared.notify(self)
 
-    def _sender_acked(self, item: _Item, topic: str, partition: int, offset: int,
+    def sender_acked(self, item: QueuedEvent, topic: str, partition: int, offset: int,
                       value: bytes | None) -> None:
         """The broker acknowledged ``item`` at ``topic``/``partition``/``offset``."""
         item.in_flight = False
@@ -1128,3 +1142,7 @@ class SyncEmitter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+def _implements_sender_member(em: SandboxEmitter) -> SenderMember:
+    """Type-checked only: :class:`SandboxEmitter` implements :class:`SenderMember`."""
+    return em
