@@ -39,6 +39,12 @@ Sending: the emitters of one event loop share one send task
 (:class:`~trajbus.producers.sender.SharedSender`): one journal sync round and one pass of sends
 for every emitter with pending events, at most every ``settings.producer.send_round_ms`` while
 more than one emitter is open (longer with hundreds open, up to ``send_round_max_ms``).
+The sender reaches an emitter only through :class:`~trajbus.producers.sending.SenderMember`,
+implemented by :class:`~trajbus.producers.emitter_sending.SenderSide`.
+
+Rooms: this module holds :class:`SandboxEmitter` (journal, lifecycle, the event API, drain) and
+:class:`SyncEmitter`; :mod:`.emitter_results` its errors and reports; :mod:`.eventids` event
+and producer ids; :mod:`.emitter_sending` its sender-facing part.
 
 Ordering on Kafka follows seq order per sandbox (one partition, one in-flight batch, idempotent
 producer), except after a failed send is retried; consumers reorder by seq anyway.
@@ -54,11 +60,9 @@ import heapq
 import json
 import os
 import random
-import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -72,7 +76,6 @@ from trajbus.producers.claimcheck import ClaimCheck
 from trajbus.producers.journal import Journal, JournalError
 from trajbus.producers.redact import Redactor
 from trajbus.producers.sender import (
-    BACKOFF_MAX_S,
     BACKOFF_MIN_S,
     SharedSender,
     shared_sender,
@@ -85,7 +88,21 @@ from trajbus.schemas.models import (
     now_ms,
 )
 
-from .sending import QueuedEvent, SenderMember
+from .emitter_results import (
+    STATE_DIR_LOCK_WAIT_S,
+    AckInfo,
+    DrainReport,
+    EmitterClosedError,
+    EpisodeStateError,
+    QueueFullError,
+    StateDirLockedError,
+    UnflushedEvent,
+)
+from .emitter_sending import SenderSide
+from .eventids import default_producer_id, new_event_id
+from .sending import SANDBOX_STREAM, QueuedEvent, SenderMember
+
+_new_event_id = new_event_id  # the deep name tests import
 
 __all__ = [
     "EXACT_FIELDS",
@@ -100,7 +117,6 @@ __all__ = [
     "UnflushedEvent",
 ]
 
-SANDBOX_STREAM = ""  # internal stream key of the sandbox-level (episode None) stream
 SUMMARY_CHARS = 256
 CANONICAL_MAX_BYTES = 4096
 MESSAGE_OVERHEAD = 16 * 1024  # room for the envelope and Kafka record/batch headers
@@ -141,116 +157,11 @@ EXACT_FIELDS: Mapping[str, str] = {
 }
 
 
-class QueueFullError(RuntimeError):
-    """The emitter's bounded queue stayed full for ``queue_full_timeout_s``: the event was NOT
-    accepted (no seq consumed). The caller decides: retry, slow down, or fail the step."""
-
-
-class EmitterClosedError(RuntimeError):
-    """The emitter was closed."""
-
-
-class EpisodeStateError(RuntimeError):
-    """An event for an episode that is not open, or a start of an episode that exists."""
-
-
-STATE_DIR_LOCK_WAIT_S = 2.0
-"""How long opening a state directory waits for its lock before :class:`StateDirLockedError`.
-A child process forked by this one holds a copy of every descriptor, the lock's among them,
-until it execs (or exits): an emitter closed and re-opened on its directory in that moment (a
-migration while the process spawns a child) finds the lock held for a moment, not for good."""
-
-
-class StateDirLockedError(RuntimeError):
-    """Another live emitter holds this state directory (for :data:`STATE_DIR_LOCK_WAIT_S`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class AckInfo:
-    """One event the broker acknowledged (passed to ``on_ack``)."""
-
-    kind: str
-    episode: str | None
-    seq: int
-    event_id: str
-    topic: str
-    partition: int
-    offset: int
-    value: bytes
-    resent: bool  # recovered from the journal after a restart
-
-
-@dataclass(frozen=True, slots=True)
-class UnflushedEvent:
-    kind: str
-    episode: str | None
-    seq: int
-    event_id: str
-    topic: str
-
-
-@dataclass
-class DrainReport:
-    """What :meth:`SandboxEmitter.drain` achieved. ``unflushed`` lists exactly the events not
-    acknowledged when drain returned (they stay journaled and are re-sent by the next emitter
-    on this state directory)."""
-
-    complete: bool
-    flushed: int
-    unflushed: list[UnflushedEvent]
-    final_seqs: dict[str, int]
-    drained_event_id: str | None
-    drained_acked: bool
-    elapsed_s: float
-    error: str | None = None
-
-    @property
-    def unflushed_count(self) -> int:
-        return len(self.unflushed)
-
-
 def _summary(text: str, limit: int = SUMMARY_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-_ID_BATCH = 256
-_ids: Iterator[str] = iter(())
-
-
-def _id_batch() -> Iterator[str]:
-    """``_ID_BATCH`` ids from one ``os.urandom`` call (one syscall per 256 ids, not per id)."""
-    b = bytearray(os.urandom(16 * _ID_BATCH))
-    b[6::16] = bytes([(x & 0x0F) | 0x40 for x in b[6::16]])
-    b[8::16] = bytes([(x & 0x3F) | 0x80 for x in b[8::16]])
-    h = b.hex()
-    return iter([h[i:i + 32] for i in range(0, len(h), 32)])
-
-
-def _new_event_id() -> str:
-    """``uuid.uuid4().hex`` without building a UUID object: 16 random bytes (``os.urandom``)
-    with the version (4) and RFC 4122 variant bits set, as 32 lower-case hex digits. Taken
-    from a batch: ``next`` on a list iterator is atomic, so threads never share an id (two
-    refilling at once each take fresh bytes), and a forked child starts a batch of its own."""
-    global _ids
-    for x in _ids:
-        return x
-    _ids = _id_batch()
-    return next(_ids)
-
-
-def _forget_ids() -> None:
-    global _ids
-    _ids = iter(())
-
-
-os.register_at_fork(after_in_child=_forget_ids)
-
-
-def _default_producer_id(sandbox: str) -> str:
-    return f"{sandbox}@{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
-
-
-class SandboxEmitter:
+class SandboxEmitter(SenderSide):
     """Publishes one sandbox's events. Use ``async with SandboxEmitter(...) as em:`` or call
     :meth:`start` / :meth:`close`. Not thread-safe: use it from one event loop (or use
     :class:`SyncEmitter`)."""
@@ -280,7 +191,7 @@ class SandboxEmitter:
         self.sandbox = validate_name("sandbox", sandbox)
         self.task = validate_name("task", task)
         self.tenant = tenant
-        self.producer_id = producer_id or _default_producer_id(sandbox)
+        self.producer_id = producer_id or default_producer_id(sandbox)
         self.topics = Topics(self.settings)
         self.state_dir = Path(state_dir) if state_dir is not None else (
             self.settings.state_dir / sandbox)
@@ -301,7 +212,7 @@ class SandboxEmitter:
         self._shuffle = shuffle
         self._codec = codec or default_codec()
         self._key = sandbox.encode()
-        self._new_id = id_factory or _new_event_id
+        self._new_id = id_factory or new_event_id
         self._segment_bytes = segment_bytes
         self._drained_roll_bytes = drained_roll_bytes
 
@@ -615,166 +526,6 @@ class SandboxEmitter:
         if self._shared is not None:
             self._shared.notify(self)
         return event_id, rid
-
-    # -- sending: SenderMember (trajbus.producers.sending), for the loop's SharedSender only --
-    @property
-    def sender_producer(self) -> AIOKafkaProducer | None:
-        """The producer this emitter's events go through (:class:`SenderMember`)."""
-        return self._producer
-
-    @sender_producer.setter
-    def sender_producer(self, producer: AIOKafkaProducer | None) -> None:
-        self._producer = producer
-
-    @property
-    def sender_key(self) -> bytes:
-        """The record key of every event (the sandbox id)."""
-        return self._key
-
-    @property
-    def sender_keeps_values(self) -> bool:
-        """Whether acks carry the bytes sent (an ``on_ack`` callback wants them)."""
-        return self._on_ack is not None
-
-    @property
-    def sender_journal_dir(self) -> Path | None:
-        """The journal's directory (None without a journal)."""
-        return None if self._journal is None else self._journal.dir
-
-    @property
-    def sender_joined(self) -> SharedSender | None:
-        """The shared sender this emitter has joined (None once it has left)."""
-        return self._shared
-
-    def sender_wants_round(self) -> bool:
-        """Active with events pending (a backlog, or a backoff that ended)."""
-        return self._send_state == "active" and bool(self._pending)
-
-    def sender_active(self) -> bool:
-        return self._send_state == "active"
-
-    def sender_take(self, limit: int, now: float) -> list[QueuedEvent]:
-        """Up to ``limit`` pending events in record-id (seq) order for this round; none while
-        not active or backing off. With nothing pending this is an ack turn: the collected
-        acks are journaled (and a drained segment rolled) now."""
-        if self._send_state != "active" or self._retry_at > now:
-            return []  # backing off after a failed send: retry_later wakes it
-        pending = self._pending
-        if not pending:
-            self._flush_acks()
-            return []
-        batch = [heapq.heappop(pending)[1] for _ in range(min(limit, len(pending)))]
-        if self._shuffle is not None:  # tests: out-of-order sends within a window
-            window, rng = self._shuffle
-            for i in range(0, len(batch), window):
-                part = batch[i:i + window]
-                rng.shuffle(part)
-                batch[i:i + window] = part
-        return batch
-
-    def sender_sync_fd(self) -> int | None:
-        """A duplicate of the journal's fd to fdatasync before this round's events are sent
-        (None: no sync needed -- ``durability="os"``, or nothing written since the last)."""
-        if self.durability != "fsync" or self._journal is None:
-            return None
-        return self._journal.sync_fd()
-
-    def sender_unsynced(self) -> None:
-        """The sync round did not happen: sync again before the next send."""
-        if self._journal is not None:
-            self._journal.mark_dirty()
-
-    def sender_sync_failed(self, items: list[QueuedEvent], exc: OSError) -> None:
-        """After a failed fdatasync the kernel may have dropped the journal's dirty pages: a
-        later sync that succeeds proves nothing about them. So this emitter sends nothing more
-        (its events stay journaled; a restarted emitter re-sends what the disk holds)."""
-        self._requeue(items)
-        self._send_state = "failed"
-        self.last_error = f"journal sync failed, sending stopped: {exc}"
-
-    def sender_value(self, item: QueuedEvent) -> bytes | None:
-        """The bytes to send: in memory, or read back from the journal (spilled)."""
-        if item.value is not None:
-            return item.value
-        assert self._journal is not None
-        try:
-            return self._journal.read(item.seg, item.offset, item.length)
-        except OSError as exc:  # pragma: no cover - journal vanished under us
-            self.last_error = f"journal read: {exc}"
-            return None
-
-    def sender_put_back(self, items: list[QueuedEvent]) -> None:
-        """Taken events that were not sent (paused or closed meanwhile)."""
-        if self._send_state != "closed":
-            self._requeue(items)
-
-    def sender_retry(self, items: list[QueuedEvent], error: str,
-                      delay: float | None = None) -> None:
-        """The producer refused these events: back to the queue, retried after a backoff."""
-        self.last_error = error
-        self._requeue(items)
-        if delay is None:
-            self._backoff = delay = min(self._backoff * 2, BACKOFF_MAX_S)
-        self._retry_at = asyncio.get_running_loop().time() + delay
-        if self._shared is not None:
-            self._shared.retry_later(self, delay)
-
-    def sender_sent_ok(self) -> None:
-        self._backoff = BACKOFF_MIN_S / 2
-
-    def sender_stop(self, error: str) -> None:
-        """A bug or a vanished journal: send nothing more (the events stay journaled)."""
-        self._send_state = "failed"
-        self.last_error = error
-
-    def _requeue(self, items: list[QueuedEvent]) -> None:
-        """Events taken for a send that did not happen go back to the pending queue."""
-        for it in items:
-            heapq.heappush(self._pending, (it.rid, it))
-
-    def sender_failed(self, item: QueuedEvent, exc: BaseException) -> None:
-        """The batch carrying ``item`` was not delivered: send it again (next round)."""
-        item.in_flight = False
-        if self._closed_flag:
-            return
-        self.last_error = f"send failed: {type(exc).__name__}: {exc}"
-        heapq.heappush(self._pending, (item.rid, item))
-        if self._shared is not None:
-            self._shared.notify(self)
-
-    def sender_acked(self, item: QueuedEvent, topic: str, partition: int, offset: int,
-                      value: bytes | None) -> None:
-        """The broker acknowledged ``item`` at ``topic``/``partition``/``offset``."""
-        item.in_flight = False
-        if self._closed_flag:
-            return
-        if self._unacked.pop(item.rid, None) is None:
-            return
-        self._acked_rids.append(item.rid)
-        self.acked_count += 1
-        left = self._seg_unacked.get(item.seg, 1) - 1
-        self._seg_unacked[item.seg] = left
-        if item.value is not None:
-            self._mem_items -= 1
-            item.value = None
-            if self._mem_items < self.queue_max and self._space is not None:
-                self._space.set()
-        if not self._unacked and self._idle is not None:
-            self._idle.set()
-            journal = self._journal
-            if (self._shared is not None and journal is not None
-                    and journal.worth_rolling_drained(self._drained_roll_bytes)):
-                self._shared.notify(self)  # roll the drained segment now, not at the next event
-        if self._ack_waiters:
-            waiter = self._ack_waiters.pop(item.rid, None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
-        if self._on_ack is not None:
-            episode = None if item.stream == SANDBOX_STREAM else item.stream
-            self._on_ack(AckInfo(item.kind, episode, item.seq, item.event_id, topic,
-                                 partition, offset, value or b"", item.resent))
-        if left <= 0 and self._journal is not None and item.seg != self._journal.active:
-            self._gc_segments()
 
     def _flush_acks(self) -> None:
         if self._acked_rids and self._journal is not None and not self._closed_flag:

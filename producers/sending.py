@@ -36,6 +36,10 @@ if TYPE_CHECKING:
     from .sender import SharedSender
 
 
+SANDBOX_STREAM = ""
+"""The stream key of the sandbox-level events (episode None)."""
+
+
 @dataclass(eq=False, slots=True)
 class QueuedEvent:
     """One journaled event waiting to be sent (or in flight)."""
@@ -46,7 +50,7 @@ class QueuedEvent:
     length: int
     topic: str
     kind: str
-    stream: str  # the episode, or the sandbox stream
+    stream: str  # the episode, or SANDBOX_STREAM
     seq: int
     event_id: str
     value: bytes | None  # None = spilled: read back from the journal to send
