@@ -2,14 +2,14 @@
 many while its arrival is still ahead of the clock is held, and judged in arrival order once
 the clock reaches it (see "Per-sandbox limit" in :mod:`trajbus.consumers.replay.core`).
 
-:class:`HeldAdmission` is the part of :class:`~trajbus.consumers.replay.reorder.machine.
-ReorderCore` that holds and judges; it keeps the held events, their per-episode arrivals and
-their changelog bytes, and judges a held event with the machine's own ``_slow`` transition.
+:class:`HeldAdmission` is the part of the machine (:class:`.machine.ReorderCore`) that
+holds and judges; it keeps the held events, their per-episode arrivals and their changelog
+bytes, and judges a held event with the machine's own ``_slow`` transition.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .codec import HELD_OVERHEAD, packable
 from .episode import EpisodeState
@@ -42,12 +42,11 @@ class HeldAdmission:
     _dirty_held: set[str]
     _judging: bool
 
-    def _slow(self, ev: InEvent, ep: EpisodeState | None, out: list[Output],
-              origin: tuple[Any, ...] | None = None) -> None:
-        raise NotImplementedError  # the machine's full transition
+    if TYPE_CHECKING:  # the machine's full transition, the timers' queue
+        def _slow(self, ev: InEvent, ep: EpisodeState | None, out: list[Output],
+                  origin: tuple[Any, ...] | None = None) -> None: ...
 
-    def _push_timer(self, deadline: int, kind: int, key: tuple[str, str]) -> None:
-        raise NotImplementedError  # the machine's timer queue
+        def _push_timer(self, deadline: int, kind: int, key: tuple[str, str]) -> None: ...
 
     def _hold(self, ev: InEvent, origin: tuple[Any, ...] | None) -> bool:
         """Hold an event that would open an episode beyond the sandbox's limit, or that comes

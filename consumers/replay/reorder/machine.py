@@ -5,14 +5,15 @@ Every event goes through one transition, :meth:`ReorderCore._slow`, except two s
 common case consists of, which :meth:`ReorderCore.handle` takes directly with the same
 effect: the next expected event of an open episode with nothing buffered (the fast path)
 and a plain event that starts, extends or releases an open episode's buffer (the stall
-path).
+path). Its parts: :class:`.admission.HeldAdmission` (held events), :class:`.emission.Emission`
+(segments, gaps, closing) and :class:`.timers.Deadlines` (timers); the changelog is
+:mod:`.codec`'s.
 """
 
 from __future__ import annotations
 
 import heapq
 import struct
-from array import array
 from typing import Any
 
 from trajbus.bus.settings import ReplaySettings
@@ -31,15 +32,13 @@ from .codec import (
     unpack_held,
     unpack_sandbox,
 )
+from .emission import Emission
 from .episode import (
     GAP_MARK,
-    GAPS_KEPT,
-    HISTORY_GAP_MAX,
     HISTORY_MAX,
     EpisodeState,
     h16,
     remember,
-    trim,
 )
 from .events import (
     CLOCK_KEY,
@@ -56,11 +55,10 @@ from .events import (
 )
 from .timers import (
     NEVER,
-    TIMER_HELD,
     TIMER_IDLE,
     TIMER_RECYCLE,
     TIMER_SANDBOX,
-    TIMER_TOMBSTONE,
+    Deadlines,
 )
 
 _tnew = tuple.__new__
@@ -80,7 +78,7 @@ def _classify(ev: object) -> str:
     return "internal_error"
 
 
-class ReorderCore(HeldAdmission):
+class ReorderCore(HeldAdmission, Emission, Deadlines):
     """Pure reorder state machine for one input partition (its guarantees:
     :mod:`trajbus.consumers.replay.core`)."""
 
@@ -616,207 +614,6 @@ class ReorderCore(HeldAdmission):
         self._buffered += 1
         self._buffered_bytes += n
 
-    def _unbuffer(self, ep: EpisodeState, n: int) -> None:
-        ep.buf_bytes -= n
-        self._buffered -= 1
-        self._buffered_bytes -= n
-
-    # -- emission --------------------------------------------------------------------------
-    def _emit(self, ep: EpisodeState, out: list[Output], events: list[bytes],
-              gap: tuple[int, int] | None, last: bool, t: int,
-              first_seq: int | None = None) -> None:
-        idx = ep.seg_index
-        ep.seg_index = idx + 1
-        end = ep.next_seq - 1
-        first = end - len(events) + 1 if first_seq is None else first_seq
-        self._c["segments"] += 1
-        out.append(SegmentOut(ep.task, ep.sandbox, ep.episode, idx, first, first + len(events) - 1,
-                              events, gap, idx == 0, last, last and ep.terminal, t))
-
-    def _drain(self, ep: EpisodeState, out: list[Output], gap: tuple[int, int] | None,
-               first: tuple[bytes, int, int] | None, final: bool = False) -> None:
-        """Emit everything contiguous from next_seq (``first`` is the event at next_seq when it
-        did not come from the buffer), with ``gap`` on the first segment. ``final``: the
-        episode is being truncated; the segment is the last when nothing remains after it."""
-        w = self._w
-        ring = ep.ring
-        buf = ep.buf
-        seq = start = ep.next_seq
-        events: list[bytes] = []
-        nbytes = 0
-        last_t = ep.last_time
-        cap_n, cap_b = self._seg_events, self._seg_bytes
-        if first is not None:
-            raw, dig, last_t = first
-            ring[seq % w] = dig
-            remember(ep, seq, h16(dig))
-            events.append(raw)
-            nbytes = len(raw)
-            seq += 1
-        while buf and seq in buf:
-            raw, dig, t = buf[seq]
-            if events and (len(events) >= cap_n or nbytes + len(raw) > cap_b):
-                ep.next_seq = seq
-                self._emit(ep, out, events, gap, False, last_t, start)
-                gap, events, nbytes, start = None, [], 0, seq
-            del buf[seq]
-            self._unbuffer(ep, len(raw))
-            ring[seq % w] = dig
-            remember(ep, seq, h16(dig))
-            events.append(raw)
-            nbytes += len(raw)
-            last_t = t
-            seq += 1
-        ep.next_seq = seq
-        ep.last_time = last_t
-        if buf is not None:
-            if buf:
-                self._arm_gap(ep)  # progress while still stalled: restart the stall timer
-            else:
-                ep.buf = None
-                ep.gap_since = -1
-        is_last = 0 <= ep.stop < seq or (final and not ep.buf and ep.stop < seq)
-        ep.expect = seq if ep.buf is None and ep.stop < 0 else -1
-        if events or gap is not None or is_last:
-            self._emit(ep, out, events, gap, is_last, last_t, start)
-        if is_last:
-            self._close(ep)
-
-    def _arm_gap(self, ep: EpisodeState) -> None:
-        ep.gap_since = self._now
-        self._push_gap(self._now + self._timeout, ep.key)
-
-    def _push_gap(self, deadline: int, key: tuple[str, str]) -> None:
-        heapq.heappush(self._gap_heap, (deadline, key))
-        if deadline < self._next_due:
-            self._next_due = deadline
-
-    def _push_timer(self, deadline: int, kind: int, key: tuple[str, str]) -> None:
-        heapq.heappush(self._timers, (deadline, kind, key))
-        if deadline < self._next_due:
-            self._next_due = deadline
-
-    def _gap_valid(self, ep: EpisodeState, deadline: int) -> bool:
-        return bool(ep.buf) and not ep.closed and ep.gap_since + self._timeout == deadline
-
-    def _record_gap(self, ep: EpisodeState, lo: int, hi: int) -> None:
-        self._c["gaps"] += 1
-        self._c["gap_seqs"] += hi - lo + 1
-        w = self._w
-        for s in range(max(lo, hi - w + 1), hi + 1):
-            ep.ring[s % w] = GAP_MARK
-        if hi - lo < HISTORY_GAP_MAX and ep.hist_base + len(ep.hist) == lo:
-            ep.hist.extend(array("H", bytes(2 * (hi - lo + 1))))
-            trim(ep)
-        else:
-            del ep.hist[:]
-            ep.hist_base = hi + 1
-        gaps = ep.gaps
-        gaps.append((lo, hi))
-        if len(gaps) > GAPS_KEPT:
-            del gaps[0]
-
-    def _close_gap(self, ep: EpisodeState, out: list[Output], final: bool = False) -> None:
-        """Declare next_seq..(first buffered - 1) missing and stream on from there."""
-        assert ep.buf
-        lo = ep.next_seq
-        nxt = min(ep.buf)
-        self._record_gap(ep, lo, nxt - 1)
-        ep.next_seq = nxt
-        self._dirty_eps.add(ep)
-        self._drain(ep, out, (lo, nxt - 1), None, final)
-
-    def _close(self, ep: EpisodeState) -> None:
-        if ep.buf:
-            for raw, _, _ in ep.buf.values():
-                self._unbuffer(ep, len(raw))
-        ep.buf = None
-        ep.buf_bytes = 0
-        ep.gap_since = -1
-        ep.closed = True
-        ep.expect = -1
-        ep.recycle_at = -1
-        ep.expire_at = self._now + self._ttl
-        self._c["episodes_closed"] += 1
-        if not (ep.end_seq >= 0 and ep.terminal):
-            self._c["episodes_truncated"] += 1
-        self._push_timer(ep.expire_at, TIMER_TOMBSTONE, ep.key)
-        self._dirty_eps.add(ep)
-        eps = self._by_sandbox.get(ep.sandbox)
-        if eps is not None:
-            eps.discard(ep.episode)
-            if not eps:
-                del self._by_sandbox[ep.sandbox]
-
-    def _truncate(self, ep: EpisodeState, out: list[Output]) -> None:
-        """Flush everything buffered (closing gaps), then end the episode truncated."""
-        while ep.buf and not ep.closed:
-            self._close_gap(ep, out, final=True)
-        if ep.closed:
-            return
-        gap = None
-        if ep.final_seq >= ep.next_seq:
-            gap = (ep.next_seq, ep.final_seq)
-            self._record_gap(ep, *gap)
-            ep.next_seq = ep.final_seq + 1
-        self._emit(ep, out, [], gap, True, ep.last_time)
-        self._close(ep)
-
-    def _fire(self, out: list[Output]) -> None:
-        """Fire every timer due at the current clock, in (deadline, kind, key) order."""
-        self._now = self._clock  # timers re-armed here count from the clock
-        self._fire_due(out)
-        gh, th = self._gap_heap, self._timers
-        self._next_due = min(gh[0][0] if gh else NEVER, th[0][0] if th else NEVER)
-
-    def _fire_due(self, out: list[Output]) -> None:
-        clock = self._clock
-        gh = self._gap_heap
-        eps = self._eps
-        while gh and gh[0][0] <= clock:
-            deadline, key = heapq.heappop(gh)
-            ep = eps.get(key)
-            if ep is not None and self._gap_valid(ep, deadline):
-                self._close_gap(ep, out)
-        th = self._timers
-        while th and th[0][0] <= clock:
-            deadline, kind, key = heapq.heappop(th)
-            if kind == TIMER_SANDBOX:
-                sb = key[0]
-                if self._recycled.get(sb, -1) + self._ttl == deadline:
-                    del self._recycled[sb]
-                    self._dirty.add((sb, None))
-                continue
-            ep = eps.get(key)
-            if kind == TIMER_HELD:
-                self._judge(key[0], out)
-            elif ep is None:
-                continue
-            elif kind == TIMER_TOMBSTONE:
-                if ep.closed and ep.expire_at == deadline:
-                    self._drop_ep(key)
-                    self._dirty.add(key)
-            elif ep.closed:
-                continue
-            elif kind == TIMER_RECYCLE:
-                if ep.recycle_at == deadline:
-                    self._dirty_eps.add(ep)
-                    self._truncate(ep, out)
-            elif kind == TIMER_IDLE and self._idle is not None:
-                due = ep.active + self._idle
-                if due == deadline:
-                    self._c["idle_truncated"] += 1
-                    self._dirty_eps.add(ep)
-                    self._truncate(ep, out)
-                else:  # activity since: re-arm (fires in true-due order, even if due now)
-                    heapq.heappush(th, (due, TIMER_IDLE, key))
-            # the gap heap may have become due again through truncation (timeout 0)
-            while gh and gh[0][0] <= clock:
-                d2, k2 = heapq.heappop(gh)
-                e2 = eps.get(k2)
-                if e2 is not None and self._gap_valid(e2, d2):
-                    self._close_gap(e2, out)
-
     def _drop_ep(self, key: tuple[str, str]) -> None:
         ep = self._eps.pop(key, None)
         if ep is None:
@@ -849,30 +646,3 @@ class ReorderCore(HeldAdmission):
                 self._buffered_bytes += len(raw)
         elif ep.stop < 0:
             ep.expect = ep.next_seq
-
-    def _arm_restored(self) -> None:
-        """Arm the timers of every key restored since the last input, once per key, from the
-        state it ended up with (a key restored many times gets the timers of the last)."""
-        for key in sorted(self._restored):
-            if key[1] == "":  # a recycled sandbox
-                dl = self._recycled.get(key[0])
-                if dl is not None:
-                    self._push_timer(dl + self._ttl, TIMER_SANDBOX, key)
-                continue
-            ep = self._eps.get(key)
-            if ep is None:
-                continue
-            if ep.closed:
-                self._push_timer(ep.expire_at, TIMER_TOMBSTONE, key)
-                continue
-            if ep.buf:
-                self._push_gap(ep.gap_since + self._timeout, key)
-            if ep.recycle_at >= 0:
-                self._push_timer(ep.recycle_at, TIMER_RECYCLE, key)
-            if self._idle is not None:
-                self._push_timer(ep.active + self._idle, TIMER_IDLE, key)
-        self._restored.clear()
-        for sb in sorted(self._restored_held):
-            for arrival, _, _ in self._held.get(sb, ()):
-                self._push_timer(arrival, TIMER_HELD, (sb, ""))
-        self._restored_held.clear()
