@@ -42,9 +42,10 @@ more than one emitter is open (longer with hundreds open, up to ``send_round_max
 The sender reaches an emitter only through :class:`~trajbus.producers.sending.SenderMember`,
 implemented by :class:`~trajbus.producers.emitter_sending.SenderSide`.
 
-Rooms: this module holds :class:`SandboxEmitter` (journal, lifecycle, the event API, drain) and
+Rooms: this module holds :class:`SandboxEmitter` (lifecycle, the event API, drain) and
 :class:`SyncEmitter`; :mod:`.emitter_results` its errors and reports; :mod:`.eventids` event
-and producer ids; :mod:`.emitter_sending` its sender-facing part.
+and producer ids; :mod:`.emitter_journal` its state directory and journal;
+:mod:`.emitter_sending` its sender-facing part.
 
 Ordering on Kafka follows seq order per sandbox (one partition, one in-flight batch, idempotent
 producer), except after a failed send is retried; consumers reorder by seq anyway.
@@ -54,14 +55,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import hashlib
 import heapq
 import json
 import os
 import random
 import threading
-import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -88,6 +87,7 @@ from trajbus.schemas.models import (
     now_ms,
 )
 
+from .emitter_journal import JournalKeeping
 from .emitter_results import (
     STATE_DIR_LOCK_WAIT_S,
     AckInfo,
@@ -106,6 +106,7 @@ _new_event_id = new_event_id  # the deep name tests import
 
 __all__ = [
     "EXACT_FIELDS",
+    "STATE_DIR_LOCK_WAIT_S",
     "AckInfo",
     "DrainReport",
     "EmitterClosedError",
@@ -161,7 +162,7 @@ def _summary(text: str, limit: int = SUMMARY_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-class SandboxEmitter(SenderSide):
+class SandboxEmitter(SenderSide, JournalKeeping):
     """Publishes one sandbox's events. Use ``async with SandboxEmitter(...) as em:`` or call
     :meth:`start` / :meth:`close`. Not thread-safe: use it from one event loop (or use
     :class:`SyncEmitter`)."""
@@ -249,88 +250,6 @@ class SandboxEmitter(SenderSide):
         self._closed_flag = False
         self._stopping = False
         self._open_journal()
-
-    # -- state directory ----------------------------------------------------------------------
-    def _open_journal(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.state_dir / "emitter.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        deadline = time.monotonic() + STATE_DIR_LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() < deadline:
-                    time.sleep(0.01)  # a forked child about to exec holds it (see the constant)
-                    continue
-                os.close(fd)
-                raise StateDirLockedError(
-                    f"{self.state_dir} is in use by another live emitter (flock held for "
-                    f"{STATE_DIR_LOCK_WAIT_S:.0f} s); one emitter per state directory: give "
-                    f"this one its own state_dir, or close the other first") from None
-        self._lock_fd = fd
-        try:
-            journal = Journal(self.state_dir / "journal", self._segment_bytes)
-            self._recover(journal)
-            journal.open_new_segment(self._snapshot())
-            for seg in list(journal.seg_bytes):
-                if seg != journal.active and not self._seg_unacked.get(seg):
-                    journal.delete(seg)
-            self._journal = journal
-        except BaseException:
-            os.close(fd)
-            self._lock_fd = -1
-            raise
-
-    def _recover(self, journal: Journal) -> None:
-        rec = journal.recover()
-        if rec.state is not None:
-            st = rec.state
-            self._next_rid = int(st["rid"])
-            self._next_seq = {k: int(v) for k, v in st["seq"].items()}
-            self._open = dict(st["open"])
-            self._closed = {k: int(v) for k, v in st["closed"].items()}
-            self._cursors = dict(st.get("cur", {}))
-            self._lifecycle = st.get("ls")
-        for h in rec.tail:
-            self._apply(h)
-        for r in rec.events:
-            self._next_rid = max(self._next_rid, r.rid + 1)
-            if r.rid in rec.acked:
-                continue
-            h = r.header
-            item = QueuedEvent(r.rid, r.seg, r.offset, r.length, h["tp"], h["k"], h["s"], h["q"],
-                         h["id"], None, resent=True)
-            self._unacked[r.rid] = item
-            heapq.heappush(self._pending, (r.rid, item))
-            self._seg_unacked[r.seg] = self._seg_unacked.get(r.seg, 0) + 1
-        self.resent_count = len(self._unacked)
-
-    def _apply(self, h: dict[str, Any]) -> None:
-        """Apply an E record's state changes (used live and at recovery)."""
-        stream = h["s"]
-        self._next_rid = max(self._next_rid, h["rid"] + 1)
-        self._next_seq[stream] = max(self._next_seq.get(stream, 0), h["q"] + 1)
-        if h.get("open"):
-            self._open[stream] = {"pv": h.get("pv")}
-        if h.get("close"):
-            self._open.pop(stream, None)
-            self._next_seq.pop(stream, None)
-            self._closed[stream] = h["q"]
-        if "cur" in h:
-            name, cursor = h["cur"]
-            self._cursors[name] = cursor
-        if "ls" in h:
-            self._lifecycle = h["ls"]
-
-    def _snapshot(self) -> dict[str, Any]:
-        closed = self._closed
-        if len(closed) > 100_000:  # keep the newest; ids older than that are not reuse-checked
-            closed = dict(list(closed.items())[-100_000:])
-            self._closed = closed
-        return {"rid": self._next_rid, "seq": self._next_seq, "open": self._open,
-                "closed": closed, "cur": self._cursors, "ls": self._lifecycle,
-                "sandbox": self.sandbox, "task": self.task}
 
     # -- lifecycle of the emitter -------------------------------------------------------------
     async def start(self) -> SandboxEmitter:
@@ -526,37 +445,6 @@ class SandboxEmitter(SenderSide):
         if self._shared is not None:
             self._shared.notify(self)
         return event_id, rid
-
-    def _flush_acks(self) -> None:
-        if self._acked_rids and self._journal is not None and not self._closed_flag:
-            rids, self._acked_rids = self._acked_rids, []
-            try:
-                self._journal.append_acks(rids)
-            except JournalError as exc:  # acks are an optimisation: worst case a re-send
-                self.last_error = str(exc)
-            self._roll_if_drained()
-            self._gc_segments()
-
-    def _roll_if_drained(self) -> None:
-        """Every event of the active segment is acked and it has grown: start a new segment
-        (a snapshot) so the drained one is deleted now, not when ``segment_bytes`` fill up.
-        Bounds the disk an idle-ish emitter holds to about ``drained_roll_bytes``."""
-        journal = self._journal
-        if (journal is None or self._seg_unacked.get(journal.active)
-                or not journal.worth_rolling_drained(self._drained_roll_bytes)):
-            return
-        try:
-            journal.open_new_segment(self._snapshot(), sync_old=False)
-        except JournalError as exc:  # the old segment stays active: nothing lost
-            self.last_error = str(exc)
-    def _gc_segments(self) -> None:
-        journal = self._journal
-        if journal is None:
-            return
-        for seg in list(journal.seg_bytes):
-            if seg != journal.active and not self._seg_unacked.get(seg):
-                journal.delete(seg)
-                self._seg_unacked.pop(seg, None)
 
     async def flush(self, timeout: float | None = None) -> bool:
         """Wait until every journaled event is acknowledged (True) or ``timeout`` passes."""
