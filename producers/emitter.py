@@ -39,6 +39,13 @@ Sending: the emitters of one event loop share one send task
 (:class:`~trajbus.producers.sender.SharedSender`): one journal sync round and one pass of sends
 for every emitter with pending events, at most every ``settings.producer.send_round_ms`` while
 more than one emitter is open (longer with hundreds open, up to ``send_round_max_ms``).
+The sender reaches an emitter only through :class:`~trajbus.producers.sending.SenderMember`,
+implemented by :class:`~trajbus.producers.emitter_sending.SenderSide`.
+
+Rooms: this module holds :class:`SandboxEmitter` (lifecycle, the event API, drain) and
+:class:`SyncEmitter`; :mod:`.emitter_results` its errors and reports; :mod:`.eventids` event
+and producer ids; :mod:`.emitter_journal` its state directory and journal;
+:mod:`.emitter_sending` its sender-facing part.
 
 Ordering on Kafka follows seq order per sandbox (one partition, one in-flight batch, idempotent
 producer), except after a failed send is retried; consumers reorder by seq anyway.
@@ -48,17 +55,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import hashlib
 import heapq
 import json
 import os
 import random
-import socket
 import threading
-import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -72,7 +75,6 @@ from trajbus.producers.claimcheck import ClaimCheck
 from trajbus.producers.journal import Journal, JournalError
 from trajbus.producers.redact import Redactor
 from trajbus.producers.sender import (
-    BACKOFF_MAX_S,
     BACKOFF_MIN_S,
     SharedSender,
     shared_sender,
@@ -85,8 +87,26 @@ from trajbus.schemas.models import (
     now_ms,
 )
 
+from .emitter_journal import JournalKeeping
+from .emitter_results import (
+    STATE_DIR_LOCK_WAIT_S,
+    AckInfo,
+    DrainReport,
+    EmitterClosedError,
+    EpisodeStateError,
+    QueueFullError,
+    StateDirLockedError,
+    UnflushedEvent,
+)
+from .emitter_sending import SenderSide
+from .eventids import default_producer_id, new_event_id
+from .sending import SANDBOX_STREAM, QueuedEvent, SenderMember
+
+_new_event_id = new_event_id  # the deep name tests import
+
 __all__ = [
     "EXACT_FIELDS",
+    "STATE_DIR_LOCK_WAIT_S",
     "AckInfo",
     "DrainReport",
     "EmitterClosedError",
@@ -98,7 +118,6 @@ __all__ = [
     "UnflushedEvent",
 ]
 
-SANDBOX_STREAM = ""  # internal stream key of the sandbox-level (episode None) stream
 SUMMARY_CHARS = 256
 CANONICAL_MAX_BYTES = 4096
 MESSAGE_OVERHEAD = 16 * 1024  # room for the envelope and Kafka record/batch headers
@@ -139,132 +158,11 @@ EXACT_FIELDS: Mapping[str, str] = {
 }
 
 
-class QueueFullError(RuntimeError):
-    """The emitter's bounded queue stayed full for ``queue_full_timeout_s``: the event was NOT
-    accepted (no seq consumed). The caller decides: retry, slow down, or fail the step."""
-
-
-class EmitterClosedError(RuntimeError):
-    """The emitter was closed."""
-
-
-class EpisodeStateError(RuntimeError):
-    """An event for an episode that is not open, or a start of an episode that exists."""
-
-
-STATE_DIR_LOCK_WAIT_S = 2.0
-"""How long opening a state directory waits for its lock before :class:`StateDirLockedError`.
-A child process forked by this one holds a copy of every descriptor, the lock's among them,
-until it execs (or exits): an emitter closed and re-opened on its directory in that moment (a
-migration while the process spawns a child) finds the lock held for a moment, not for good."""
-
-
-class StateDirLockedError(RuntimeError):
-    """Another live emitter holds this state directory (for :data:`STATE_DIR_LOCK_WAIT_S`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class AckInfo:
-    """One event the broker acknowledged (passed to ``on_ack``)."""
-
-    kind: str
-    episode: str | None
-    seq: int
-    event_id: str
-    topic: str
-    partition: int
-    offset: int
-    value: bytes
-    resent: bool  # recovered from the journal after a restart
-
-
-@dataclass(frozen=True, slots=True)
-class UnflushedEvent:
-    kind: str
-    episode: str | None
-    seq: int
-    event_id: str
-    topic: str
-
-
-@dataclass
-class DrainReport:
-    """What :meth:`SandboxEmitter.drain` achieved. ``unflushed`` lists exactly the events not
-    acknowledged when drain returned (they stay journaled and are re-sent by the next emitter
-    on this state directory)."""
-
-    complete: bool
-    flushed: int
-    unflushed: list[UnflushedEvent]
-    final_seqs: dict[str, int]
-    drained_event_id: str | None
-    drained_acked: bool
-    elapsed_s: float
-    error: str | None = None
-
-    @property
-    def unflushed_count(self) -> int:
-        return len(self.unflushed)
-
-
-@dataclass(eq=False, slots=True)
-class _Item:
-    rid: int
-    seg: int
-    offset: int
-    length: int
-    topic: str
-    kind: str
-    stream: str
-    seq: int
-    event_id: str
-    value: bytes | None  # None = spilled: read back from the journal to send
-    resent: bool = False
-    in_flight: bool = False
-
-
 def _summary(text: str, limit: int = SUMMARY_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-_ID_BATCH = 256
-_ids: Iterator[str] = iter(())
-
-
-def _id_batch() -> Iterator[str]:
-    """``_ID_BATCH`` ids from one ``os.urandom`` call (one syscall per 256 ids, not per id)."""
-    b = bytearray(os.urandom(16 * _ID_BATCH))
-    b[6::16] = bytes([(x & 0x0F) | 0x40 for x in b[6::16]])
-    b[8::16] = bytes([(x & 0x3F) | 0x80 for x in b[8::16]])
-    h = b.hex()
-    return iter([h[i:i + 32] for i in range(0, len(h), 32)])
-
-
-def _new_event_id() -> str:
-    """``uuid.uuid4().hex`` without building a UUID object: 16 random bytes (``os.urandom``)
-    with the version (4) and RFC 4122 variant bits set, as 32 lower-case hex digits. Taken
-    from a batch: ``next`` on a list iterator is atomic, so threads never share an id (two
-    refilling at once each take fresh bytes), and a forked child starts a batch of its own."""
-    global _ids
-    for x in _ids:
-        return x
-    _ids = _id_batch()
-    return next(_ids)
-
-
-def _forget_ids() -> None:
-    global _ids
-    _ids = iter(())
-
-
-os.register_at_fork(after_in_child=_forget_ids)
-
-
-def _default_producer_id(sandbox: str) -> str:
-    return f"{sandbox}@{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
-
-
-class SandboxEmitter:
+class SandboxEmitter(SenderSide, JournalKeeping):
     """Publishes one sandbox's events. Use ``async with SandboxEmitter(...) as em:`` or call
     :meth:`start` / :meth:`close`. Not thread-safe: use it from one event loop (or use
     :class:`SyncEmitter`)."""
@@ -294,7 +192,7 @@ class SandboxEmitter:
         self.sandbox = validate_name("sandbox", sandbox)
         self.task = validate_name("task", task)
         self.tenant = tenant
-        self.producer_id = producer_id or _default_producer_id(sandbox)
+        self.producer_id = producer_id or default_producer_id(sandbox)
         self.topics = Topics(self.settings)
         self.state_dir = Path(state_dir) if state_dir is not None else (
             self.settings.state_dir / sandbox)
@@ -315,7 +213,7 @@ class SandboxEmitter:
         self._shuffle = shuffle
         self._codec = codec or default_codec()
         self._key = sandbox.encode()
-        self._new_id = id_factory or _new_event_id
+        self._new_id = id_factory or new_event_id
         self._segment_bytes = segment_bytes
         self._drained_roll_bytes = drained_roll_bytes
 
@@ -328,8 +226,8 @@ class SandboxEmitter:
         self._lifecycle: str | None = None
 
         # queue
-        self._pending: list[tuple[int, _Item]] = []
-        self._unacked: dict[int, _Item] = {}
+        self._pending: list[tuple[int, QueuedEvent]] = []
+        self._unacked: dict[int, QueuedEvent] = {}
         self._seg_unacked: dict[int, int] = {}
         self._mem_items = 0
         self._acked_rids: list[int] = []
@@ -352,88 +250,6 @@ class SandboxEmitter:
         self._closed_flag = False
         self._stopping = False
         self._open_journal()
-
-    # -- state directory ----------------------------------------------------------------------
-    def _open_journal(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.state_dir / "emitter.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        deadline = time.monotonic() + STATE_DIR_LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() < deadline:
-                    time.sleep(0.01)  # a forked child about to exec holds it (see the constant)
-                    continue
-                os.close(fd)
-                raise StateDirLockedError(
-                    f"{self.state_dir} is in use by another live emitter (flock held for "
-                    f"{STATE_DIR_LOCK_WAIT_S:.0f} s); one emitter per state directory: give "
-                    f"this one its own state_dir, or close the other first") from None
-        self._lock_fd = fd
-        try:
-            journal = Journal(self.state_dir / "journal", self._segment_bytes)
-            self._recover(journal)
-            journal.open_new_segment(self._snapshot())
-            for seg in list(journal.seg_bytes):
-                if seg != journal.active and not self._seg_unacked.get(seg):
-                    journal.delete(seg)
-            self._journal = journal
-        except BaseException:
-            os.close(fd)
-            self._lock_fd = -1
-            raise
-
-    def _recover(self, journal: Journal) -> None:
-        rec = journal.recover()
-        if rec.state is not None:
-            st = rec.state
-            self._next_rid = int(st["rid"])
-            self._next_seq = {k: int(v) for k, v in st["seq"].items()}
-            self._open = dict(st["open"])
-            self._closed = {k: int(v) for k, v in st["closed"].items()}
-            self._cursors = dict(st.get("cur", {}))
-            self._lifecycle = st.get("ls")
-        for h in rec.tail:
-            self._apply(h)
-        for r in rec.events:
-            self._next_rid = max(self._next_rid, r.rid + 1)
-            if r.rid in rec.acked:
-                continue
-            h = r.header
-            item = _Item(r.rid, r.seg, r.offset, r.length, h["tp"], h["k"], h["s"], h["q"],
-                         h["id"], None, resent=True)
-            self._unacked[r.rid] = item
-            heapq.heappush(self._pending, (r.rid, item))
-            self._seg_unacked[r.seg] = self._seg_unacked.get(r.seg, 0) + 1
-        self.resent_count = len(self._unacked)
-
-    def _apply(self, h: dict[str, Any]) -> None:
-        """Apply an E record's state changes (used live and at recovery)."""
-        stream = h["s"]
-        self._next_rid = max(self._next_rid, h["rid"] + 1)
-        self._next_seq[stream] = max(self._next_seq.get(stream, 0), h["q"] + 1)
-        if h.get("open"):
-            self._open[stream] = {"pv": h.get("pv")}
-        if h.get("close"):
-            self._open.pop(stream, None)
-            self._next_seq.pop(stream, None)
-            self._closed[stream] = h["q"]
-        if "cur" in h:
-            name, cursor = h["cur"]
-            self._cursors[name] = cursor
-        if "ls" in h:
-            self._lifecycle = h["ls"]
-
-    def _snapshot(self) -> dict[str, Any]:
-        closed = self._closed
-        if len(closed) > 100_000:  # keep the newest; ids older than that are not reuse-checked
-            closed = dict(list(closed.items())[-100_000:])
-            self._closed = closed
-        return {"rid": self._next_rid, "seq": self._next_seq, "open": self._open,
-                "closed": closed, "cur": self._cursors, "ls": self._lifecycle,
-                "sandbox": self.sandbox, "task": self.task}
 
     # -- lifecycle of the emitter -------------------------------------------------------------
     async def start(self) -> SandboxEmitter:
@@ -617,7 +433,7 @@ class SandboxEmitter:
         if acks:
             self._acked_rids = []
         self._apply(h)
-        item = _Item(rid, seg, off, length, topic, kind, stream, seq, event_id,
+        item = QueuedEvent(rid, seg, off, length, topic, kind, stream, seq, event_id,
                      value if in_memory else None)
         if in_memory:
             self._mem_items += 1
@@ -629,169 +445,6 @@ class SandboxEmitter:
         if self._shared is not None:
             self._shared.notify(self)
         return event_id, rid
-
-    # -- sending: the protocol of the loop's SharedSender (trajbus.producers.sender) --------
-    # The sender calls only these methods (and reads ``_producer``, ``_key``, ``_on_ack``).
-    def _sender_wants_round(self) -> bool:
-        """Active with events pending (a backlog, or a backoff that ended)."""
-        return self._send_state == "active" and bool(self._pending)
-
-    def _sender_active(self) -> bool:
-        return self._send_state == "active"
-
-    def _sender_take(self, limit: int, now: float) -> list[_Item]:
-        """Up to ``limit`` pending events in record-id (seq) order for this round; none while
-        not active or backing off. With nothing pending this is an ack turn: the collected
-        acks are journaled (and a drained segment rolled) now."""
-        if self._send_state != "active" or self._retry_at > now:
-            return []  # backing off after a failed send: retry_later wakes it
-        pending = self._pending
-        if not pending:
-            self._flush_acks()
-            return []
-        batch = [heapq.heappop(pending)[1] for _ in range(min(limit, len(pending)))]
-        if self._shuffle is not None:  # tests: out-of-order sends within a window
-            window, rng = self._shuffle
-            for i in range(0, len(batch), window):
-                part = batch[i:i + window]
-                rng.shuffle(part)
-                batch[i:i + window] = part
-        return batch
-
-    def _sender_sync_fd(self) -> int | None:
-        """A duplicate of the journal's fd to fdatasync before this round's events are sent
-        (None: no sync needed -- ``durability="os"``, or nothing written since the last)."""
-        if self.durability != "fsync" or self._journal is None:
-            return None
-        return self._journal.sync_fd()
-
-    def _sender_unsynced(self) -> None:
-        """The sync round did not happen: sync again before the next send."""
-        if self._journal is not None:
-            self._journal.mark_dirty()
-
-    def _sender_sync_failed(self, items: list[_Item], exc: OSError) -> None:
-        """After a failed fdatasync the kernel may have dropped the journal's dirty pages: a
-        later sync that succeeds proves nothing about them. So this emitter sends nothing more
-        (its events stay journaled; a restarted emitter re-sends what the disk holds)."""
-        self._requeue(items)
-        self._send_state = "failed"
-        self.last_error = f"journal sync failed, sending stopped: {exc}"
-
-    def _sender_value(self, item: _Item) -> bytes | None:
-        """The bytes to send: in memory, or read back from the journal (spilled)."""
-        if item.value is not None:
-            return item.value
-        assert self._journal is not None
-        try:
-            return self._journal.read(item.seg, item.offset, item.length)
-        except OSError as exc:  # pragma: no cover - journal vanished under us
-            self.last_error = f"journal read: {exc}"
-            return None
-
-    def _sender_put_back(self, items: list[_Item]) -> None:
-        """Taken events that were not sent (paused or closed meanwhile)."""
-        if self._send_state != "closed":
-            self._requeue(items)
-
-    def _sender_retry(self, items: list[_Item], error: str,
-                      delay: float | None = None) -> None:
-        """The producer refused these events: back to the queue, retried after a backoff."""
-        self.last_error = error
-        self._requeue(items)
-        if delay is None:
-            self._backoff = delay = min(self._backoff * 2, BACKOFF_MAX_S)
-        self._retry_at = asyncio.get_running_loop().time() + delay
-        if self._shared is not None:
-            self._shared.retry_later(self, delay)
-
-    def _sender_sent_ok(self) -> None:
-        self._backoff = BACKOFF_MIN_S / 2
-
-    def _sender_stop(self, error: str) -> None:
-        """A bug or a vanished journal: send nothing more (the events stay journaled)."""
-        self._send_state = "failed"
-        self.last_error = error
-
-    def _requeue(self, items: list[_Item]) -> None:
-        """Events taken for a send that did not happen go back to the pending queue."""
-        for it in items:
-            heapq.heappush(self._pending, (it.rid, it))
-
-    def _sender_failed(self, item: _Item, exc: BaseException) -> None:
-        """The batch carrying ``item`` was not delivered: send it again (next round)."""
-        item.in_flight = False
-        if self._closed_flag:
-            return
-        self.last_error = f"send failed: {type(exc).__name__}: {exc}"
-        heapq.heappush(self._pending, (item.rid, item))
-        if self._shared is not None:
-            self._shared.notify(self)
-
-    def _sender_acked(self, item: _Item, topic: str, partition: int, offset: int,
-                      value: bytes | None) -> None:
-        """The broker acknowledged ``item`` at ``topic``/``partition``/``offset``."""
-        item.in_flight = False
-        if self._closed_flag:
-            return
-        if self._unacked.pop(item.rid, None) is None:
-            return
-        self._acked_rids.append(item.rid)
-        self.acked_count += 1
-        left = self._seg_unacked.get(item.seg, 1) - 1
-        self._seg_unacked[item.seg] = left
-        if item.value is not None:
-            self._mem_items -= 1
-            item.value = None
-            if self._mem_items < self.queue_max and self._space is not None:
-                self._space.set()
-        if not self._unacked and self._idle is not None:
-            self._idle.set()
-            journal = self._journal
-            if (self._shared is not None and journal is not None
-                    and journal.worth_rolling_drained(self._drained_roll_bytes)):
-                self._shared.notify(self)  # roll the drained segment now, not at the next event
-        if self._ack_waiters:
-            waiter = self._ack_waiters.pop(item.rid, None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
-        if self._on_ack is not None:
-            episode = None if item.stream == SANDBOX_STREAM else item.stream
-            self._on_ack(AckInfo(item.kind, episode, item.seq, item.event_id, topic,
-                                 partition, offset, value or b"", item.resent))
-        if left <= 0 and self._journal is not None and item.seg != self._journal.active:
-            self._gc_segments()
-
-    def _flush_acks(self) -> None:
-        if self._acked_rids and self._journal is not None and not self._closed_flag:
-            rids, self._acked_rids = self._acked_rids, []
-            try:
-                self._journal.append_acks(rids)
-            except JournalError as exc:  # acks are an optimisation: worst case a re-send
-                self.last_error = str(exc)
-            self._roll_if_drained()
-            self._gc_segments()
-
-    def _roll_if_drained(self) -> None:
-        """Every event of the active segment is acked and it has grown: start a new segment
-        (a snapshot) so the drained one is deleted now, not when ``segment_bytes`` fill up.
-        Bounds the disk an idle-ish emitter holds to about ``drained_roll_bytes``."""
-        journal = self._journal
-        if (journal is None or self._seg_unacked.get(journal.active)
-                or not journal.worth_rolling_drained(self._drained_roll_bytes)):
-            return
-        try:
-            journal.open_new_segment(self._snapshot(), sync_old=False)
-        except JournalError as exc:  # the old segment stays active: nothing lost
-            self.last_error = str(exc)
-    def _gc_segments(self) -> None:
-        journal = self._journal
-        if journal is None:
-            return
-        for seg in list(journal.seg_bytes):
-            if seg != journal.active and not self._seg_unacked.get(seg):
-                journal.delete(seg)
-                self._seg_unacked.pop(seg, None)
 
     async def flush(self, timeout: float | None = None) -> bool:
         """Wait until every journaled event is acknowledged (True) or ``timeout`` passes."""
@@ -1128,3 +781,7 @@ class SyncEmitter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+def _implements_sender_member(em: SandboxEmitter) -> SenderMember:
+    """Type-checked only: :class:`SandboxEmitter` implements :class:`SenderMember`."""
+    return em

@@ -59,9 +59,9 @@ outage has every later batch of that partition refused: RELIABILITY finding Y) m
 round replace the process's shared producer first; the events it failed are sent again
 through the new one.
 
-The sender talks to its emitters through a small protocol (the ``_sender_*`` methods of
-:class:`~trajbus.producers.emitter.SandboxEmitter`): take a batch, the journal fd to sync, put
-events back, retry later, acknowledged, failed.
+The sender reaches its emitters only through :class:`~trajbus.producers.sending.SenderMember`
+(which :class:`~trajbus.producers.emitter.SandboxEmitter` implements): take a batch, the
+journal fd to sync, put events back, retry later, acknowledged, failed.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ from trajbus.producers.journal import syncfs
 from trajbus.producers.timerslack import get_timer_slack_ns, set_timer_slack_ns
 
 if TYPE_CHECKING:
-    from trajbus.producers.emitter import SandboxEmitter, _Item
+    from .sending import QueuedEvent, SenderMember
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class SharedSender:
         self._slow_unreported = 0
         self._slow_longest = 0.0
         self._slow_warned_at: float | None = None
-        self._ready: dict[SandboxEmitter, None] = {}  # insertion-ordered set
+        self._ready: dict[SenderMember, None] = {}  # insertion-ordered set
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._members = 0
@@ -134,7 +134,7 @@ class SharedSender:
         self.replacements = 0
 
     # -- membership ---------------------------------------------------------------------------
-    def join(self, em: SandboxEmitter) -> None:
+    def join(self, em: SenderMember) -> None:
         self._members += 1
         r = max(0.0, em.settings.producer.send_round_ms / 1000)
         r_max = max(r, em.settings.producer.send_round_max_ms / 1000)
@@ -194,25 +194,25 @@ class SharedSender:
             set_timer_slack_ns(self._thread_slack_ns)
         self.timer_slack_ns = None
 
-    def leave(self, em: SandboxEmitter) -> None:
+    def leave(self, em: SenderMember) -> None:
         self._members -= 1
         self._ready.pop(em, None)
         self._adjust_timer_slack()
         if self._members <= 0:
             self._wake.set()  # let the task see it has nothing left to do and end
 
-    def notify(self, em: SandboxEmitter) -> None:
+    def notify(self, em: SenderMember) -> None:
         """``em`` has pending events (or acks to journal): include it in the next round."""
         if em not in self._ready:
             self._ready[em] = None
             if not self._wake.is_set():
                 self._wake.set()
 
-    def retry_later(self, em: SandboxEmitter, delay: float) -> None:
+    def retry_later(self, em: SenderMember, delay: float) -> None:
         asyncio.get_running_loop().call_later(delay, self._retry, em)
 
-    def _retry(self, em: SandboxEmitter) -> None:
-        if em._sender_wants_round():
+    def _retry(self, em: SenderMember) -> None:
+        if em.sender_wants_round():
             self.notify(em)
 
     # -- the rounds ---------------------------------------------------------------------------
@@ -266,33 +266,33 @@ class SharedSender:
         self.replacements += 1
         return True
 
-    def _producer_of(self, em: SandboxEmitter) -> AIOKafkaProducer | None:
+    def _producer_of(self, em: SenderMember) -> AIOKafkaProducer | None:
         # the emitters of a process share one producer: any other they hold was replaced
-        if self._replacement is not None and em._producer is not self._replacement:
-            em._producer = self._replacement
-        return em._producer
+        if self._replacement is not None and em.sender_producer is not self._replacement:
+            em.sender_producer = self._replacement
+        return em.sender_producer
 
-    async def _round(self, ready: dict[SandboxEmitter, None]) -> None:
+    async def _round(self, ready: dict[SenderMember, None]) -> None:
         if self._broken is not None and self._replacement is None and ready:
             if not await self._replace_broken(next(iter(ready)).settings.kafka):
                 for em in ready:  # nothing is taken: they wait for the next round
                     self.retry_later(em, BACKOFF_MAX_S)
                 return
-        batches: list[tuple[SandboxEmitter, list[_Item]]] = []
-        syncing: list[tuple[SandboxEmitter, int]] = []
+        batches: list[tuple[SenderMember, list[QueuedEvent]]] = []
+        syncing: list[tuple[SenderMember, int]] = []
         whole_fs: list[bool] = []  # per syncing journal: may a syncfs cover it
         # -- no await: a batch is taken and its journal's fd duplicated in one step -----------
         now = asyncio.get_running_loop().time()
         for em in ready:
-            batch = em._sender_take(SEND_BATCH, now)
+            batch = em.sender_take(SEND_BATCH, now)
             if not batch:
                 continue
-            if em._sender_wants_round():  # a backlog: the rest goes in the next round
+            if em.sender_wants_round():  # a backlog: the rest goes in the next round
                 self._ready[em] = None
             try:
-                fd = em._sender_sync_fd()
+                fd = em.sender_sync_fd()
             except OSError as exc:
-                em._sender_sync_failed(batch, exc)
+                em.sender_sync_failed(batch, exc)
                 continue
             if fd is not None:
                 syncing.append((em, fd))
@@ -306,10 +306,10 @@ class SharedSender:
                 errors = await asyncio.to_thread(self._sync_journals, fds, whole_fs)
             except Exception as exc:  # no sync happened (e.g. the executor is shut down)
                 for em, batch in batches:
-                    em._sender_retry(batch, f"journal sync round: {type(exc).__name__}: {exc}",
+                    em.sender_retry(batch, f"journal sync round: {type(exc).__name__}: {exc}",
                                      BACKOFF_MAX_S)
                 for em, _ in syncing:
-                    em._sender_unsynced()  # sync again before sending
+                    em.sender_unsynced()  # sync again before sending
                 return
             finally:
                 for fd in fds:
@@ -328,7 +328,7 @@ class SharedSender:
                     if err is None:
                         kept.append((em, batch))
                     else:
-                        em._sender_sync_failed(batch, err)
+                        em.sender_sync_failed(batch, err)
                 batches = kept
         if batches:
             await self._send(batches)
@@ -366,7 +366,7 @@ class SharedSender:
                 errors[i] = exc
         return errors
 
-    def _slow_sync(self, took: float, syncing: list[tuple[SandboxEmitter, int]],
+    def _slow_sync(self, took: float, syncing: list[tuple[SenderMember, int]],
                    whole_fs: list[bool], now: float) -> None:
         self.slow_sync_rounds += 1
         self._slow_unreported += 1
@@ -374,8 +374,8 @@ class SharedSender:
         if (self._slow_warned_at is not None
                 and now - self._slow_warned_at < SLOW_SYNC_WARN_EVERY_S):
             return
-        journal = syncing[0][0]._journal
-        where = journal.dir.parent if journal is not None else "?"
+        journal_dir = syncing[0][0].sender_journal_dir
+        where = journal_dir.parent if journal_dir is not None else "?"
         how = ("syncfs" if self._syncfs_fn is not None and sum(whole_fs) > 1
                else "fdatasync per journal")
         log.warning(
@@ -389,54 +389,55 @@ class SharedSender:
         self._slow_unreported = 0
         self._slow_longest = 0.0
 
-    async def _send(self, batches: list[tuple[SandboxEmitter, list[_Item]]]) -> None:
+    async def _send(self, batches: list[tuple[SenderMember, list[QueuedEvent]]]) -> None:
         for em, batch in batches:
             try:
                 await self._send_one(em, batch)
             except Exception as exc:  # a broken emitter must not stop the others
-                em._sender_stop(f"sender: {type(exc).__name__}: {exc}")
+                em.sender_stop(f"sender: {type(exc).__name__}: {exc}")
 
-    async def _send_one(self, em: SandboxEmitter, batch: list[_Item]) -> None:
+    async def _send_one(self, em: SenderMember, batch: list[QueuedEvent]) -> None:
         """``em``'s events in seq order, one ``send()`` each: the producer appends them to its
         batch of their partition (which it sends after ``linger_ms``, so a batch gathers the
         events of several rounds); each record's future acknowledges its event."""
         producer = self._producer_of(em)
         assert producer is not None
-        key = em._key
-        keep_value = em._on_ack is not None
+        key = em.sender_key
+        keep_value = em.sender_keeps_values
         for i, item in enumerate(batch):
-            if not em._sender_active():  # paused or closed while this round awaited
-                em._sender_put_back(batch[i:])
+            if not em.sender_active():  # paused or closed while this round awaited
+                em.sender_put_back(batch[i:])
                 return
-            value = em._sender_value(item)
+            value = em.sender_value(item)
             if value is None:  # pragma: no cover - journal vanished under us
-                em._sender_put_back(batch[i:])
+                em.sender_put_back(batch[i:])
                 raise RuntimeError(f"journal read: {em.last_error}")
             try:
                 fut = await producer.send(item.topic, value, key=key)
             except Exception as exc:  # KafkaTimeoutError, connection errors...
-                em._sender_retry(batch[i:], f"{type(exc).__name__}: {exc}")
+                em.sender_retry(batch[i:], f"{type(exc).__name__}: {exc}")
                 return
             item.in_flight = True
             fut.add_done_callback(functools.partial(_delivered, em, item,
                                                     value if keep_value else None, producer))
-        em._sender_sent_ok()
+        em.sender_sent_ok()
 
 
-def _delivered(em: SandboxEmitter, item: _Item, value: bytes | None,
+def _delivered(em: SenderMember, item: QueuedEvent, value: bytes | None,
                producer: AIOKafkaProducer, fut: asyncio.Future[Any]) -> None:
     """A record's delivery future resolved: acknowledge (or fail) its event."""
     if fut.cancelled():
-        em._sender_failed(item, asyncio.CancelledError())
+        em.sender_failed(item, asyncio.CancelledError())
         return
     exc = fut.exception()
     if exc is not None:
-        if lasting_delivery_error(exc) and em._shared is not None:
-            em._shared.producer_failed(producer, exc)
-        em._sender_failed(item, exc)
+        sender = em.sender_joined
+        if lasting_delivery_error(exc) and sender is not None:
+            sender.producer_failed(producer, exc)
+        em.sender_failed(item, exc)
         return
     md = fut.result()
-    em._sender_acked(item, md.topic, md.partition, md.offset, value)
+    em.sender_acked(item, md.topic, md.partition, md.offset, value)
 
 
 _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SharedSender] = (

@@ -101,7 +101,7 @@ def test_a_failed_syncfs_fails_every_journal_it_covered(calls, journals):
 def test_slow_sync_rounds_are_logged_with_what_to_do_at_most_every_few_minutes(caplog,
                                                                               tmp_path):
     s = SharedSender(sync_fn=os.fdatasync, syncfs_fn=None)
-    em = SimpleNamespace(_journal=SimpleNamespace(dir=tmp_path / "sb-1" / "journal"))
+    em = SimpleNamespace(sender_journal_dir=tmp_path / "sb-1" / "journal")  # a SenderMember
     syncing = [(em, 3), (em, 4)]
     with caplog.at_level(logging.WARNING, logger=sender_mod.__name__):
         s._slow_sync(1.5, syncing, [True, True], now=100.0)

@@ -50,8 +50,10 @@ ALLOWED: dict[str, frozenset[str]] = {
 #: The pure cores: deterministic state machines ``(state, event) -> (state, outputs)``.
 PURE = (
     "trajbus.consumers.scheduler",  # the core and its rooms, placement
-    "trajbus.consumers.replay.core",
-    "trajbus.consumers.watchdog.core",
+    "trajbus.consumers.replay.core",  # the façade
+    "trajbus.consumers.replay.reorder",  # its rooms
+    "trajbus.consumers.watchdog.core",  # the façade
+    "trajbus.consumers.watchdog.detector",  # its rooms
     "trajbus.consumers.watchdog.canonical",
     "trajbus.archive.core",
 )

@@ -651,7 +651,7 @@ def test_the_content_digest_is_computed_only_where_a_duplicate_seq_can_need_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Once per event that is emitted or buffered (a later duplicate is compared with it) and
     per duplicate compared; never for sandbox-level events, dead letters or late events."""
-    import trajbus.consumers.replay.core as core_module
+    import trajbus.consumers.replay.reorder.machine as core_module
 
     digested: list[bytes] = []
 
