@@ -50,10 +50,10 @@ from trajbus.archive.rows import decode_as_written, decoded_to_row, row_nbytes
 from trajbus.archive.spool import Spool, clear_spool_dir
 from trajbus.archive.storage import ObjectStore, mark_archive, open_store
 from trajbus.archive.writer import ArchiveWriter, BatchResult
+from trajbus.bus.blobref import root_uri
 from trajbus.bus.closing import close_client
 from trajbus.bus.settings import ArchiveSettings, Settings
 from trajbus.bus.topics import Topics, validate_name
-from trajbus.producers.claimcheck import root_uri
 from trajbus.schemas.codec import Codec, DecodeError, default_codec
 
 log = logging.getLogger(__name__)

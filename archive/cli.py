@@ -294,7 +294,7 @@ def _cmd_episode(args: argparse.Namespace) -> int:
             size = f" {len(r['data'])}B" if r.get("data") is not None else ""
             print(f"{r['seq']:>8} {r['event_time_ms']} {r['kind']:<16} {detail}{size}")
     if args.trace_out:
-        from trajbus.producers.claimcheck import BlobIntegrityError
+        from trajbus.bus.blobref import BlobIntegrityError
 
         endpoint = args.endpoint_url or _settings().archive.s3_endpoint_url
         fetch = None if args.no_blobs else (

@@ -525,7 +525,7 @@ def fetch_row_blob(row: dict[str, Any], endpoint_url: str | None = None,
     relative to the archive root (``blobs/sha256/...``) is read from ``archive``, the store
     the row was read from; an absolute one (objects written before references were made
     relative, or a blob stored outside the archive) from the store it names."""
-    from trajbus.producers.claimcheck import fetch_blob
+    from trajbus.archive.blobs import fetch_blob
     from trajbus.schemas.models import BlobRef
 
     ref = BlobRef(uri=row["blob_uri"], size=int(row["length"]), sha256=row["sha256"])

@@ -180,7 +180,7 @@ COLUMNS: tuple[str, ...] = tuple(ARCHIVE_SCHEMA.names)
 _COLUMN_SET = frozenset(COLUMNS)
 BLOB_DIR = "blobs/"
 """Where claim-check blobs live under an archive root (``blobs/sha256/ab/cd/<sha256>``,
-``producers.claimcheck.blob_key``)."""
+``bus.blobref.blob_key``)."""
 _HEADER_NAMES = tuple(n for n, _ in HEADER_FIELDS)
 _TYPED = dict(TYPED_FIELDS)
 _INT_TYPES = {n for n, t in TYPED_FIELDS if pa.types.is_integer(t)}
@@ -279,7 +279,7 @@ def to_row(kind: str, record: Mapping[str, Any], topic: str, partition: int,
     kind, and ``pa.Table.from_pylist`` converts sparse dicts ~35% faster.
 
     ``blob_root``: the root URI of the archive being written (``file:///...`` or
-    ``s3://bucket/prefix``, ``producers.claimcheck.root_uri``); a claim-check reference into
+    ``s3://bucket/prefix``, ``bus.blobref.root_uri``); a claim-check reference into
     it is stored relative to it (:func:`relative_blob_uri`), in ``blob_uri`` and in the
     ``blob`` field of ``payload_json``.
     """

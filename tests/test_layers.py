@@ -71,10 +71,6 @@ ALLOWED_EXCEPTIONS: dict[tuple[str, str], str] = {
         "lower layer both share",
     ("trajbus.producers.claimcheck", "trajbus.archive.storage"):
         "claim-check blobs are written through the archive's object store (local or S3)",
-    ("trajbus.archive.cli", "trajbus.producers.claimcheck"):
-        "`archive episode --trace-out` fetches claim-checked trace blobs",
-    ("trajbus.archive.query", "trajbus.producers.claimcheck"):
-        "an archived trace row's blob is fetched and verified with the claim-check reader",
     ("trajbus.archive.archiver", "trajbus.consumers.operator.tools"):
         "the archiver reads the retained dead letters with the operators' bounded reader",
     ("trajbus.consumers.operator.reads", "trajbus.archive.rows"):

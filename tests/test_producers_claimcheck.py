@@ -8,10 +8,11 @@ import os
 
 import pytest
 
+from trajbus.archive.blobs import fetch_blob
 from trajbus.bus import producer as producer_mod
 from trajbus.bus.producer import close_producer
 from trajbus.bus.topics import Topics
-from trajbus.producers.claimcheck import BlobIntegrityError, ClaimCheck, blob_key, fetch_blob
+from trajbus.producers.claimcheck import BlobIntegrityError, ClaimCheck, blob_key
 from trajbus.producers.emitter import SandboxEmitter
 from trajbus.producers.testing import create_topics, make_settings, read_topics
 from trajbus.schemas.models import BlobRef
@@ -118,8 +119,8 @@ async def test_archived_episode_trace_includes_claim_check_blobs(kafka_broker, u
     store = open_store(s.archive.url)
     key = blob_key(hashlib.sha256(big).hexdigest())
     store.put_bytes(key, b"x" * len(big))
-    from trajbus.producers import claimcheck
+    from trajbus.archive import blobs
 
-    claimcheck._stores.clear()
+    blobs._stores.clear()
     assert cli("--trace-out", str(tmp_path / "bad.trace")) == 1
     assert "cannot fetch a claim-check blob" in capsys.readouterr().err
