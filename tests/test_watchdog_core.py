@@ -551,6 +551,22 @@ class TestRestart:
         small = restarted(core, settings=WatchdogSettings(max_cycle_length=1))
         assert small.tracked() == 1 and small.explain("sb-1")[0].calls_seen == 20
 
+    def test_restore_into_a_larger_cycle_setting_explains_and_detects(self) -> None:
+        """Restored into a larger ring, only the calls the smaller one held are known: the
+        windows start at those, never at a call not remembered (explain raised TypeError on
+        a window timed from an empty slot)."""
+        ep = Episode()
+        core = WatchdogCore(WatchdogSettings(max_cycle_length=2))
+        run(core, looping(ep, [CLICK, TYPE, SHELL], 4, dt=10_000))
+        big = restarted(core, settings=WatchdogSettings(max_cycle_length=6))
+        (before,) = big.explain("sb-1")
+        assert before.calls_seen == 12
+        assert all(c.calls <= 3 and c.span_ms >= 0 for c in before.candidates)
+        outs = run(big, looping(ep, [CLICK, TYPE, SHELL], 25, dt=10_000))
+        assert [a.alert for a in alerts(outs)] == ["LOOP"]
+        assert alerts(outs)[0].pattern[0].startswith(CLICK[0])
+        big.explain("sb-1")
+
     def test_same_log_gives_identical_outputs_and_bytes(self) -> None:
         events = looping(Episode(), [SHELL], 30, dt=10_000)
         events += looping(Episode("sb-2"), [CLICK, TYPE], 25, dt=5000, noise=True)

@@ -346,10 +346,11 @@ class WatchdogCore(LoopRule):
                             st, length, off, n - 1, seq, t, event_id,
                             f"pattern broken by {tool}:{fp.hex()} at seq {seq}"))
                     s = n - length + 1
-                    if s == n:
-                        win[off] = (s, seq, t, 0, BROKEN)
+                    b = (s % r) * RS
+                    if s == n or ring[b + R_SEQ] is None:  # (a call before a restore into a
+                        # larger ring is not remembered: the window starts at this one)
+                        win[off] = (n, seq, t, 0, BROKEN)
                     else:
-                        b = (s % r) * RS
                         win[off] = (s, ring[b + R_SEQ], ring[b + R_TIME], 0, BROKEN)
             slot = (n % r) * RS
             if ring[slot + R_CID] is not None:
@@ -680,8 +681,9 @@ class WatchdogCore(LoopRule):
             st.win = win
             st.loop_len = loop_len
         elif n > 0:  # cycle setting changed: windows restart from the remembered calls
+            kept = min(src_len, dst_len)  # the calls both rings hold; older ones are unknown
             for length, off, _ in rules.cycles:
-                self._restart(st, length, off, max(0, n - length, n - dst_len), RECONFIGURED)
+                self._restart(st, length, off, max(0, n - length, n - kept), RECONFIGURED)
             st.loop_len = 0
         return st
 
