@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -51,14 +50,15 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from trajbus.infra.maven import JarSet, fetch_jars
 
 __all__ = [
     "DEFAULT_MESSAGE_MAX_BYTES",
@@ -78,7 +78,6 @@ KAFKA_DIR = Path(__file__).resolve().parent / "kafka"
 POM_PATH = KAFKA_DIR / "pom.xml"
 LOG4J_CONFIG = KAFKA_DIR / "log4j2.yaml"
 DEFAULT_LIB_DIR = KAFKA_DIR / "lib"
-STAMP_NAME = ".trajbus-jars.stamp"
 
 DEFAULT_PORT = 9092
 DEFAULT_HOST = "127.0.0.1"
@@ -107,34 +106,11 @@ class BrokerError(RuntimeError):
 
 def kafka_version(pom: Path = POM_PATH) -> str:
     """The Kafka version pinned in ``infra/kafka/pom.xml``."""
-    match = re.search(r"<kafka\.version>\s*([^<\s]+)\s*</kafka\.version>", pom.read_text())
-    if not match:
-        raise KafkaSetupError(f"no <kafka.version> property in {pom}")
-    return match.group(1)
+    return _kafka_jars(pom).version()
 
 
-def _stamp_text(pom: Path) -> str:
-    digest = hashlib.sha256(pom.read_bytes()).hexdigest()
-    return f"kafka.version={kafka_version(pom)}\npom.sha256={digest}\n"
-
-
-def _jars_fresh(lib_dir: Path, pom: Path) -> bool:
-    stamp = lib_dir / STAMP_NAME
-    try:
-        return stamp.read_text() == _stamp_text(pom) and any(lib_dir.glob("kafka_2.13-*.jar"))
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+def _kafka_jars(pom: Path = POM_PATH) -> JarSet:
+    return JarSet(pom, "kafka.version", "kafka_2.13-*.jar", "Kafka {version} jars", KafkaSetupError)
 
 
 def _require_tool(name: str, what: str) -> str:
@@ -195,47 +171,13 @@ def ensure_jars(lib_dir: Path | None = None, *, force: bool = False, quiet: bool
                 raise KafkaSetupError(f"TRAJBUS_KAFKA_LIB_DIR={env_dir} holds no kafka_2.13-*.jar")
             return path
         lib_dir = DEFAULT_LIB_DIR
-    lib_dir = Path(lib_dir).resolve()
-    if not force and _jars_fresh(lib_dir, POM_PATH):
-        return lib_dir
 
-    with _file_lock(lib_dir / ".fetch.lock"):
-        if not force and _jars_fresh(lib_dir, POM_PATH):  # another process just fetched
-            return lib_dir
-        mvn = _require_tool("mvn", "Maven fetches the Kafka jars from Maven Central")
+    def mvn() -> str:
+        exe = _require_tool("mvn", "Maven fetches the Kafka jars from Maven Central")
         _require_java()
-        staging = lib_dir / f".staging-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        if not quiet:
-            print(
-                f"fetching Kafka {kafka_version()} jars from Maven Central (first run only)...",
-                file=sys.stderr,
-                flush=True,
-            )
-        started = time.monotonic()
-        cmd = [mvn, "-q", "-B", "-f", str(POM_PATH), f"-DoutputDirectory={staging}", "package"]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if proc.returncode != 0 or not any(staging.glob("kafka_2.13-*.jar")):
-                tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
-                raise KafkaSetupError(
-                    f"fetching Kafka jars failed (exit {proc.returncode}): {' '.join(cmd)}\n"
-                    f"{tail}\n(is Maven Central reachable? proxies go in ~/.m2/settings.xml)"
-                )
-            for old in lib_dir.glob("*.jar"):
-                old.unlink()
-            for jar in staging.glob("*.jar"):
-                jar.replace(lib_dir / jar.name)
-            (lib_dir / STAMP_NAME).write_text(_stamp_text(POM_PATH))
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        if not quiet:
-            print(
-                f"fetched Kafka jars into {lib_dir} in {time.monotonic() - started:.0f} s",
-                file=sys.stderr,
-                flush=True,
-            )
-    return lib_dir
+        return exe
+
+    return fetch_jars(_kafka_jars(), Path(lib_dir), mvn=mvn, force=force, quiet=quiet)
 
 
 # --------------------------------------------------------------------------------------------

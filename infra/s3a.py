@@ -19,23 +19,18 @@ elsewhere.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import re
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from trajbus.infra.broker import KafkaSetupError, _file_lock, _require_java
+from trajbus.infra.broker import KafkaSetupError, _require_java
+from trajbus.infra.maven import JarSet, fetch_jars
 
 __all__ = ["POM_PATH", "S3A_LIB_DIR", "S3ASetupError", "ensure_s3a_jars", "hadoop_version",
            "s3a_jars", "spark_hadoop_version"]
 
 POM_PATH = Path(__file__).resolve().parent / "spark" / "pom.xml"
 S3A_LIB_DIR = POM_PATH.parent / "lib"
-STAMP_NAME = ".trajbus-jars.stamp"
 _MARKER = "hadoop-aws-*.jar"
 
 
@@ -45,23 +40,12 @@ class S3ASetupError(RuntimeError):
 
 def hadoop_version(pom: Path = POM_PATH) -> str:
     """The ``hadoop-aws`` version pinned in ``infra/spark/pom.xml`` (PySpark's Hadoop)."""
-    match = re.search(r"<hadoop\.version>\s*([^<\s]+)\s*</hadoop\.version>", pom.read_text())
-    if not match:
-        raise S3ASetupError(f"no <hadoop.version> property in {pom}")
-    return match.group(1)
+    return _s3a_jars(pom).version()
 
 
-def _stamp_text(pom: Path) -> str:
-    return (f"hadoop.version={hadoop_version(pom)}\n"
-            f"pom.sha256={hashlib.sha256(pom.read_bytes()).hexdigest()}\n")
-
-
-def _fresh(lib_dir: Path, pom: Path) -> bool:
-    try:
-        return (lib_dir / STAMP_NAME).read_text() == _stamp_text(pom) and any(
-            lib_dir.glob(_MARKER))
-    except OSError:
-        return False
+def _s3a_jars(pom: Path = POM_PATH) -> JarSet:
+    return JarSet(pom, "hadoop.version", _MARKER,
+                  "hadoop-aws {version} and the AWS SDK modules S3A needs", S3ASetupError)
 
 
 def ensure_s3a_jars(lib_dir: Path | None = None, *, force: bool = False,
@@ -74,14 +58,10 @@ def ensure_s3a_jars(lib_dir: Path | None = None, *, force: bool = False,
     Concurrent callers serialize on a file lock. Raises :class:`S3ASetupError` when Java or
     Maven is missing or the fetch fails.
     """
-    lib_dir = Path(lib_dir or S3A_LIB_DIR).resolve()
-    if not force and _fresh(lib_dir, POM_PATH):
-        return lib_dir
-    with _file_lock(lib_dir / ".fetch.lock"):
-        if not force and _fresh(lib_dir, POM_PATH):  # another process just fetched
-            return lib_dir
-        mvn = shutil.which("mvn")
-        if mvn is None:
+
+    def mvn() -> str:
+        exe = shutil.which("mvn")
+        if exe is None:
             raise S3ASetupError(
                 "`mvn` not found on PATH: Maven fetches hadoop-aws and the AWS SDK for Spark's "
                 "s3a:// from Maven Central (Debian/Ubuntu: `apt-get install maven`), or give "
@@ -90,31 +70,10 @@ def ensure_s3a_jars(lib_dir: Path | None = None, *, force: bool = False,
             _require_java()
         except KafkaSetupError as exc:
             raise S3ASetupError(str(exc)) from exc
-        staging = lib_dir / f".staging-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        if not quiet:
-            print(f"fetching hadoop-aws {hadoop_version()} and the AWS SDK modules S3A needs "
-                  "from Maven Central (first run only)...", file=sys.stderr, flush=True)
-        started = time.monotonic()
-        cmd = [mvn, "-q", "-B", "-f", str(POM_PATH), f"-DoutputDirectory={staging}", "package"]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if proc.returncode != 0 or not any(staging.glob(_MARKER)):
-                tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
-                raise S3ASetupError(
-                    f"fetching the s3a jars failed (exit {proc.returncode}): {' '.join(cmd)}\n"
-                    f"{tail}\n(is Maven Central reachable? proxies go in ~/.m2/settings.xml)")
-            for old in lib_dir.glob("*.jar"):
-                old.unlink()
-            for jar in staging.glob("*.jar"):
-                jar.replace(lib_dir / jar.name)
-            (lib_dir / STAMP_NAME).write_text(_stamp_text(POM_PATH))
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        if not quiet:
-            print(f"fetched the s3a jars into {lib_dir} in {time.monotonic() - started:.0f} s",
-                  file=sys.stderr, flush=True)
-    return lib_dir
+        return exe
+
+    return fetch_jars(_s3a_jars(), Path(lib_dir or S3A_LIB_DIR), mvn=mvn, force=force,
+                      quiet=quiet)
 
 
 def spark_hadoop_version() -> str | None:
