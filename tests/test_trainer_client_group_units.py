@@ -323,3 +323,14 @@ def test_a_tenure_that_began_without_a_commit_is_stale_once_another_member_commi
 
 def test_a_partition_whose_group_commit_cannot_be_read_is_given_up() -> None:
     assert _take_again(_PartitionProgress(0, epoch=1), RuntimeError("coordinator away")) is False
+
+
+def test_a_start_sought_behind_the_groups_commit_stays_this_members() -> None:
+    """start="earliest" on a group with commit 100: the tenure sought 0 and saw 100; a
+    rebalance before its first commit finds the group's commit still 100 -- nobody else
+    committed -- and keeps it (given up, the partition was read on from 100: 0-99 never
+    delivered)."""
+    progress = _PartitionProgress(0, epoch=1)
+    progress.last_committed = (100, "")
+    assert _take_again(progress, OffsetAndMetadata(100, "")) is True
+    assert _take_again(progress, OffsetAndMetadata(120, "")) is False

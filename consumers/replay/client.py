@@ -175,6 +175,8 @@ member may go without fetching before the group takes it out."""
 DEFAULT_COMMIT_EVERY_MS = 100.0
 """The default ``commit_every_ms``: coalesced commits (see the module docstring), chosen by
 bench/bench_trainer_commit.py."""
+COMMITTED_AT_START_TIMEOUT_S = 120.0
+"""How long ``start()`` waits for the group's coordinator to answer (loading after a restart)."""
 STOP_COMMIT_TIMEOUT_S = 10.0
 """How long ``stop()`` tries its last commit (the broker away: aiokafka retries for ever)."""
 ALL_TASKS = "*"
@@ -1140,13 +1142,17 @@ class ReplayClient:
         admin = admin_client(self.settings.kafka, "admin")
         await admin.start()
         try:
-            for attempt in range(60):  # the coordinator is briefly unavailable on a new cluster
+            # the coordinator is briefly unavailable on a new cluster, and loading the
+            # group's offsets after a restart (retriable errors): retried up to a deadline
+            deadline = asyncio.get_running_loop().time() + COMMITTED_AT_START_TIMEOUT_S
+            while True:
                 try:
                     self._committed_at_start = await admin.list_consumer_group_offsets(
                         self.group_id)
                     return
                 except KafkaError as exc:
-                    if not getattr(exc, "retriable", False) or attempt == 59:
+                    if (not getattr(exc, "retriable", False)
+                            or asyncio.get_running_loop().time() >= deadline):
                         raise
                     await asyncio.sleep(0.5)
         finally:

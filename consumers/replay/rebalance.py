@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("trajbus.consumers.replay.client")
 
 REVOKE_COMMIT_TIMEOUT_S = 10.0  # a revocation's commit (the group's rebalance waits for it)
+KEPT_COMMIT_TIMEOUT_S = 30.0  # reading the group's commit of a partition kept in a rebalance
 
 
 class _GroupRebalancing(Exception):
@@ -88,8 +89,9 @@ class _StartAt(ConsumerRebalanceListener):
             if consumer is None:
                 break
             progress = client._progress[tp]
-            try:
-                om = await client._fetch_committed(tp)
+            try:  # aiokafka retries a loading coordinator for ever: bounded here
+                om = await asyncio.wait_for(client._fetch_committed(tp),
+                                            KEPT_COMMIT_TIMEOUT_S)
             except Exception as exc:
                 log.warning("replay client %s: the group's commit of %s[%d] could not be read "
                             "(%s: %s); this member's progress on it is given up and its "
@@ -99,8 +101,9 @@ class _StartAt(ConsumerRebalanceListener):
                 continue
             if om is None:
                 continue  # none, or gone (expired): nobody else committed since
-            if (om.offset > progress.committed
-                    or (om.offset, om.metadata or "") != progress.last_committed):
+            if (om.offset, om.metadata or "") != progress.last_committed:
+                # (not "ahead of our commit point": a start position sought behind the group's
+                # commit is ours until someone else commits)
                 gone.append(tp)
         # the episodes an iterator holds open on those partitions are not this member's to
         # complete: their segments are read again from the group's commit if they come back
