@@ -38,7 +38,7 @@ def fetch_blob(ref: BlobRef, endpoint_url: str | None = None,
         with _stores_lock:
             store = _stores.get((root, endpoint_url))
             if store is None:
-                store = open_store(root, endpoint_url)
+                store = open_store(root, endpoint_url, create=False)
                 _stores[(root, endpoint_url)] = store
         data = store.get_bytes(key)
     return verify(ref.uri, data, ref.size, ref.sha256)

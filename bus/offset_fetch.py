@@ -13,10 +13,12 @@ point. librdkafka#5586 describes the same response shape.
 With :func:`install`, an OffsetFetch answer with a request-level error raises that error
 from the coordinator's request: aiokafka's ``fetch_committed_offsets`` retries the
 retriable ones after ``retry_backoff_ms`` (re-discovering the coordinator for
-``NOT_COORDINATOR`` / ``COORDINATOR_NOT_AVAILABLE``) and raises the others. The admin
+``NOT_COORDINATOR`` / ``COORDINATOR_NOT_AVAILABLE``) for as long as the coordinator cannot
+answer -- callers that must not wait for ever bound it -- and raises the others. The admin
 client's ``list_consumer_group_offsets`` (the same blind spot: a loading coordinator read
-as a group without commits) raises it to its caller, who retries. Guarantee: a
-committed offset is reported as absent only when the coordinator said so per partition.
+as a group without commits) raises it to its caller, who retries to a deadline. Guarantee
+(OffsetFetch v2 and later, what Kafka 4 negotiates): a committed offset is reported as
+absent only when the coordinator said so per partition.
 """
 
 from __future__ import annotations

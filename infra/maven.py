@@ -103,6 +103,7 @@ def fetch_jars(jars: JarSet, lib_dir: Path, *, mvn: Callable[[], str],
                 raise jars.error(
                     f"fetching {what} failed (exit {proc.returncode}): {' '.join(cmd)}\n"
                     f"{tail}\n(is Maven Central reachable? proxies go in ~/.m2/settings.xml)")
+            (lib_dir / STAMP_NAME).unlink(missing_ok=True)  # not fresh until the stamp is back
             for old in lib_dir.glob("*.jar"):
                 old.unlink()
             for jar in staging.glob("*.jar"):

@@ -37,18 +37,21 @@ from trajbus.schemas.codec import Codec, Decoded, DecodeError, default_codec
 
 Source = Literal["kafka", "archive"]
 
-async def _retrying(call: Callable[[], Any], what: str, attempts: int = 60) -> Any:
-    """Admin calls answer "coordinator not available" for a while on a fresh cluster."""
+async def _retrying(call: Callable[[], Any], what: str, timeout_s: float = 120.0) -> Any:
+    """Admin calls answer "coordinator not available" for a while on a fresh cluster, and
+    "loading" while a restarted coordinator loads the group's offsets: retried to a
+    deadline."""
     from aiokafka.errors import KafkaError
 
-    for attempt in range(attempts):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
         try:
             return await call()
         except KafkaError as exc:
-            if not getattr(exc, "retriable", False) or attempt == attempts - 1:
+            if (not getattr(exc, "retriable", False)
+                    or asyncio.get_running_loop().time() >= deadline):
                 raise
             await asyncio.sleep(0.5)
-    raise AssertionError(f"unreachable: {what}")
 
 
 async def topic_partitions(settings: Settings, topics: Sequence[str] | None = None,
