@@ -51,6 +51,7 @@ from trajbus.archive.spool import Spool, clear_spool_dir
 from trajbus.archive.storage import ObjectStore, mark_archive, open_store
 from trajbus.archive.writer import ArchiveWriter, BatchResult
 from trajbus.bus.blobref import root_uri
+from trajbus.bus.clients import new_consumer
 from trajbus.bus.closing import close_client
 from trajbus.bus.settings import ArchiveSettings, Settings
 from trajbus.bus.topics import Topics, validate_name
@@ -459,11 +460,10 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
     batch marker): a crash loses nothing and, with the dedupe, writes nothing twice. The
     consumer group defaults to one per destination (:func:`archiver_group` of the store's
     URL); when the group has nothing left to read, ``ArchiverStats.note`` says so and why."""
-    from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+    from aiokafka import ConsumerRebalanceListener, TopicPartition
     from aiokafka.errors import CommitFailedError
 
     from trajbus.archive import metrics
-    from trajbus.bus.kafka import connection_options
     from trajbus.bus.ops import export_lag
 
     cfg = settings.archive
@@ -490,8 +490,8 @@ async def run_archiver(settings: Settings, stop_event: asyncio.Event | None = No
         metrics.STORE_ERRORS.labels(kind)
     log.info("archiving %s into %s as consumer group %s", topics, dest.url, group_id)
 
-    consumer = AIOKafkaConsumer(
-        **connection_options(settings.kafka),
+    consumer = new_consumer(
+        settings.kafka,
         client_id=f"{settings.kafka.client_id}-archiver",
         group_id=group_id,
         enable_auto_commit=False,

@@ -12,12 +12,13 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
+from trajbus.bus.clients import new_consumer
 from trajbus.bus.closing import close_client
 from trajbus.bus.errors import NotFoundError, UserError, existing
-from trajbus.bus.kafka import admin_client, connection_options
+from trajbus.bus.kafka import admin_client
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
 
@@ -116,7 +117,7 @@ async def offset_spans(settings: Settings, topics: Sequence[str]) -> dict[str, t
     out = {t: (len(ps), 0) for t, ps in parts.items()}
     if not tps:
         return out
-    consumer = AIOKafkaConsumer(**connection_options(settings.kafka), enable_auto_commit=False)
+    consumer = new_consumer(settings.kafka, enable_auto_commit=False)
     await consumer.start()
     try:
         begin = await consumer.beginning_offsets(tps)
@@ -277,9 +278,9 @@ async def count_records(settings: Settings, ranges: dict[TopicPartition, tuple[i
     if not small:
         return out
     k = settings.kafka
-    consumer = AIOKafkaConsumer(**connection_options(k), enable_auto_commit=False,
-                                isolation_level="read_committed", auto_offset_reset="earliest",
-                                max_partition_fetch_bytes=k.max_request_size)
+    consumer = new_consumer(k, enable_auto_commit=False,
+                            isolation_level="read_committed", auto_offset_reset="earliest",
+                            max_partition_fetch_bytes=k.max_request_size)
     await consumer.start()
     try:
         consumer.assign(list(small))

@@ -1,7 +1,14 @@
-"""Kafka connection options and the fail-fast broker check.
+"""The fail-fast broker check and the classification of Kafka errors.
 
-Every Kafka client trajbus builds takes its connection options from here, so TLS and SASL
-settings reach all of them.
+- :func:`check_broker` / :func:`prefer_answering_hosts`: at start-up, which bootstrap hosts
+  answer (fastest first; the clients built next try them first), and a message that says
+  what to set when none does (unreachable, TLS or SASL refused).
+- :func:`lasting_delivery_error`, :func:`broker_went_away`, :func:`sender_crash`,
+  :func:`retry_while_broker_restarts`: which errors a restart of the broker explains and
+  which are lasting.
+
+Clients are built in ``bus/clients.py`` (re-exported here: ``connection_options``,
+``admin_client``, ``ClusterAdminClient``).
 """
 
 from __future__ import annotations
@@ -9,23 +16,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import re
-import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaConnectionError, NodeNotReadyError, RequestTimedOutError
-
+from trajbus.bus.clients import (
+    _BOOTSTRAP_ORDER,
+    ClusterAdminClient,
+    admin_client,
+    connection_options,
+    new_admin,
+)
 from trajbus.bus.closing import close_client
-from trajbus.bus.offset_fetch import install as install_offset_fetch_check
-from trajbus.bus.reconnect import install as install_reconnect_backoff
 from trajbus.bus.settings import KafkaSettings
 
 log = logging.getLogger("trajbus.kafka")
 T = TypeVar("T")
+_BOOTSTRAP_GRACE_S = 0.5
+
+__all__ = [
+    "BrokerAuthenticationError", "BrokerUnavailableError", "ClusterAdminClient", "admin_client",
+    "broker_went_away", "check_broker", "connection_options", "lasting_delivery_error",
+    "order_bootstrap", "prefer_answering_hosts", "retry_while_broker_restarts", "sender_crash",
+]
 
 
 class BrokerUnavailableError(RuntimeError):
@@ -35,122 +49,6 @@ class BrokerUnavailableError(RuntimeError):
 class BrokerAuthenticationError(BrokerUnavailableError):
     """The broker answered but refused the configured SASL credentials (or the TLS
     handshake: an untrusted server certificate, a missing or refused client certificate)."""
-
-
-# bootstrap list -> the same hosts, those that answered the start-up check first (see
-# order_bootstrap): a node that accepts connections but answers nothing (paused, overloaded)
-# holds a client's start for its request timeout before the next host is tried. aiokafka
-# shuffles the bootstrap hosts (collect_hosts(randomize=True)); _keep_chosen_order makes it
-# keep the order of the lists chosen here.
-_BOOTSTRAP_ORDER: dict[str, str] = {}
-_BOOTSTRAP_GRACE_S = 0.5
-
-
-def _keep_chosen_order() -> None:
-    """Once per process: aiokafka's clients bootstrap from a list in ``_BOOTSTRAP_ORDER``'s
-    values in that order (other lists are still shuffled, as aiokafka does)."""
-    import aiokafka.client as aiokafka_client
-
-    original = aiokafka_client.collect_hosts
-    if getattr(original, "_trajbus_ordered", False):
-        return
-
-    def collect_hosts(hosts: Any, randomize: bool = True) -> Any:
-        chosen = isinstance(hosts, str) and hosts in _BOOTSTRAP_ORDER.values()
-        return original(hosts, randomize=randomize and not chosen)
-
-    collect_hosts._trajbus_ordered = True  # type: ignore[attr-defined]
-    aiokafka_client.collect_hosts = collect_hosts
-
-
-def connection_options(k: KafkaSettings) -> dict[str, Any]:
-    """Options common to aiokafka producers, consumers and admin clients. Building them also
-    applies the reconnect backoff to the process's aiokafka clients (``bus/reconnect.py``)
-    and the check of OffsetFetch's request-level errors (``bus/offset_fetch.py``)."""
-    install_reconnect_backoff(k.reconnect_backoff_ms, k.reconnect_backoff_max_ms)
-    install_offset_fetch_check()
-    _keep_chosen_order()
-    opts: dict[str, Any] = {
-        "bootstrap_servers": _BOOTSTRAP_ORDER.get(k.bootstrap_servers, k.bootstrap_servers),
-        "security_protocol": k.security_protocol,
-        "request_timeout_ms": k.request_timeout_ms,
-    }
-    if k.security_protocol in ("SSL", "SASL_SSL"):
-        ctx = ssl.create_default_context(cafile=k.ssl_cafile)
-        if k.ssl_certfile:
-            ctx.load_cert_chain(k.ssl_certfile, k.ssl_keyfile)
-        opts["ssl_context"] = ctx
-    if k.security_protocol.startswith("SASL"):
-        if not (k.sasl_mechanism and k.sasl_username and k.sasl_password):
-            raise ValueError(
-                "SASL needs TRAJBUS_KAFKA__SASL_MECHANISM, TRAJBUS_KAFKA__SASL_USERNAME and "
-                "TRAJBUS_KAFKA__SASL_PASSWORD"
-            )
-        opts.update(
-            sasl_mechanism=k.sasl_mechanism,
-            sasl_plain_username=k.sasl_username,
-            sasl_plain_password=k.sasl_password.get_secret_value(),
-        )
-    return opts
-
-
-#: How long an admin request waits for a connection to one node before it tries another.
-NODE_READY_TIMEOUT_S = 3.0
-#: How long a request that any node may answer (metadata, describe) waits for one node's
-#: answer before it asks another: a frozen node accepts the connection and never answers.
-NODE_ANSWER_TIMEOUT_S = 5.0
-#: Nodes that did not answer in time are asked last for this long (monotonic seconds).
-_SILENT_FOR_S = 60.0
-_silent_nodes: dict[tuple[str, int], float] = {}
-
-
-class ClusterAdminClient(AIOKafkaAdminClient):
-    """aiokafka's admin client, for a cluster with a node down: a request that may go to any
-    node goes to one that is connected or answers, not to a random one of the metadata (a
-    dead node is in the metadata until the controller fences it, and then the request fails
-    with ``NodeNotReadyError`` one time in three on a 3-node cluster)."""
-
-    async def _send_request(self, request: Any, node_id: int | None = None) -> Any:
-        if node_id is not None:
-            return await super()._send_request(request, node_id)
-        cluster = self._client.cluster
-        nodes = [b.nodeId for b in cluster.brokers()]
-        random.shuffle(nodes)
-        conns = self._client._conns
-        now = time.monotonic()
-
-        def address(n: int) -> tuple[str, int]:
-            b = cluster.broker_metadata(n)
-            return (b.host, b.port) if b is not None else ("", n)
-
-        # nodes that recently did not answer go last, nodes already connected first: a new
-        # connection to a node that is frozen (SIGSTOP, a long GC pause) is accepted by its
-        # kernel and then answers nothing
-        nodes.sort(key=lambda n: (_silent_nodes.get(address(n), 0.0) > now,
-                                  not any(key[0] == n and conn.connected()
-                                          for key, conn in conns.items())))
-        last: Exception | None = None
-        for node in nodes or [self._client.get_random_node()]:
-            try:
-                if not await asyncio.wait_for(self._client.ready(node), NODE_READY_TIMEOUT_S):
-                    continue
-                answer = await asyncio.wait_for(self._client.send(node, request),
-                                                NODE_ANSWER_TIMEOUT_S)
-                _silent_nodes.pop(address(node), None)
-                return answer
-            except TimeoutError as exc:
-                _silent_nodes[address(node)] = time.monotonic() + _SILENT_FOR_S
-                last = exc  # that node is frozen or overloaded: the next one
-            except (KafkaConnectionError, NodeNotReadyError, RequestTimedOutError) as exc:
-                last = exc  # that node went away: the next one
-        if last is not None:
-            raise last
-        raise NodeNotReadyError("no node of the cluster is ready")
-
-
-def admin_client(k: KafkaSettings, what: str) -> ClusterAdminClient:
-    """An admin client (not started) with trajbus's connection options."""
-    return ClusterAdminClient(**connection_options(k), client_id=f"{k.client_id}-{what}")
 
 
 async def order_bootstrap(k: KafkaSettings) -> list[str]:
@@ -163,8 +61,7 @@ async def order_bootstrap(k: KafkaSettings) -> list[str]:
         return hosts
 
     async def ask(host: str) -> str:
-        admin = ClusterAdminClient(**{**connection_options(k), "bootstrap_servers": host},
-                                   client_id=f"{k.client_id}-check")
+        admin = new_admin(k, "check", bootstrap_servers=host)
         try:
             await admin.start()
             return host

@@ -11,19 +11,13 @@ partition, in order. A send is durable when its future resolves.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.partitioner import DefaultPartitioner, murmur2
 
+from trajbus.bus.clients import CachedPartitioner, new_producer, producer_options, set_lz4_level
 from trajbus.bus.closing import close_client
-from trajbus.bus.kafka import (
-    BrokerUnavailableError,
-    connection_options,
-    prefer_answering_hosts,
-)
+from trajbus.bus.kafka import BrokerUnavailableError, prefer_answering_hosts
 from trajbus.bus.settings import KafkaSettings, get_settings
 
 log = logging.getLogger(__name__)
@@ -31,74 +25,9 @@ log = logging.getLogger(__name__)
 _producer: AIOKafkaProducer | None = None
 _loop: asyncio.AbstractEventLoop | None = None
 _lock: asyncio.Lock | None = None
+__all__ = ["CachedPartitioner", "close_producer", "get_producer", "producer_options",
+           "replace_producer", "set_lz4_level"]
 builds = 0  # how many producers this process has built (tests assert it stays at 1)
-
-
-class CachedPartitioner(DefaultPartitioner):
-    """aiokafka's default partitioner (Java-compatible murmur2 of the key, modulo the number of
-    partitions; a None key goes to a random available partition) with the key's murmur2
-    memoised: it is pure Python (~5 us a record) and every record of a sandbox has the same
-    key. Same partition for every key as the default."""
-
-    MAX_KEYS = 4096
-
-    def __init__(self) -> None:
-        self._hash: dict[bytes, int] = {}
-
-    def __call__(self, key: bytes | None, all_partitions: list[int],
-                 available: list[int]) -> int:
-        if key is None:
-            return super().__call__(key, all_partitions, available)
-        h = self._hash.get(key)
-        if h is None:
-            if len(self._hash) >= self.MAX_KEYS:
-                self._hash.clear()
-            h = self._hash[key] = murmur2(key) & 0x7FFFFFFF
-        return all_partitions[h % len(all_partitions)]
-
-
-def set_lz4_level(level: int) -> bool:
-    """Make aiokafka's producers compress lz4 at ``level`` (process-wide).
-
-    aiokafka offers no compression level: its record batch builders (the C one and the
-    pure-Python fallback) call the module-level ``lz4_encode(data)``, whose default is level 9,
-    lz4's slow high-compression mode. They are pointed at ``lz4_encode(data, level=level)``.
-    Returns False (and logs) if this aiokafka has no such hook: the default level then stays,
-    nothing else changes."""
-    from aiokafka import codec
-    from aiokafka.record import default_records as py_records
-
-    try:
-        from aiokafka.record._crecords import default_records as c_records
-    except ImportError:  # no C extension: the Python builder is the one in use
-        c_records = None
-    encode = functools.partial(codec.lz4_encode, level=level)
-    done = False
-    for module in (c_records, py_records):
-        if module is not None and hasattr(module, "lz4_encode"):
-            module.lz4_encode = encode
-            done = True
-    if not done:
-        log.warning("this aiokafka has no lz4_encode hook: lz4 stays at its default level 9")
-    return done
-
-
-def producer_options(k: KafkaSettings, **overrides: Any) -> dict[str, Any]:
-    if (overrides.get("compression_type", k.compression_type)) == "lz4":
-        set_lz4_level(k.lz4_level)
-    opts = connection_options(k)
-    opts.update(
-        client_id=f"{k.client_id}-producer",
-        enable_idempotence=True,
-        acks="all",
-        compression_type=k.compression_type,
-        linger_ms=k.linger_ms,
-        max_batch_size=k.max_batch_size,
-        max_request_size=k.max_request_size,
-        partitioner=CachedPartitioner(),
-    )
-    opts.update(overrides)
-    return opts
 
 
 async def get_producer(settings: KafkaSettings | None = None) -> AIOKafkaProducer:
@@ -118,7 +47,7 @@ async def get_producer(settings: KafkaSettings | None = None) -> AIOKafkaProduce
         if _producer is None:
             k = settings or get_settings().kafka
             await prefer_answering_hosts(k)
-            producer = AIOKafkaProducer(**producer_options(k))
+            producer = new_producer(k)
             builds += 1
             try:
                 await asyncio.wait_for(producer.start(), timeout=k.connect_timeout_s)

@@ -58,8 +58,8 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
+from trajbus.bus.clients import new_consumer
 from trajbus.bus.closing import close_client
-from trajbus.bus.kafka import connection_options
 from trajbus.bus.producer import get_producer
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
@@ -416,8 +416,8 @@ class _Placements:
 
     async def start(self) -> None:
         k = self.settings.kafka
-        consumer = AIOKafkaConsumer(
-            **connection_options(k), client_id=f"{k.client_id}-sim-placements", group_id=None,
+        consumer = new_consumer(
+            k, client_id=f"{k.client_id}-sim-placements", group_id=None,
             enable_auto_commit=False, isolation_level="read_committed")
         await consumer.start()
         self._consumer = consumer

@@ -11,12 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord
 
 from trajbus.bus.admin import ensure_topics
+from trajbus.bus.clients import new_consumer
 from trajbus.bus.closing import close_client
-from trajbus.bus.kafka import connection_options
 from trajbus.bus.settings import (
     KafkaSettings,
     ProducerSideSettings,
@@ -71,9 +70,8 @@ async def read_topics(
 ) -> list[Seen]:
     """Read ``topics`` from the beginning until ``until(seen)`` holds; raises TimeoutError with
     what was seen if it does not within ``timeout``."""
-    consumer = AIOKafkaConsumer(
-        *topics,
-        **connection_options(settings.kafka),
+    consumer = new_consumer(
+        settings.kafka, *topics,
         group_id=None,
         auto_offset_reset="earliest",
         enable_auto_commit=False,

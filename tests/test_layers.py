@@ -224,6 +224,40 @@ def test_every_exception_is_still_needed() -> None:
         f"no longer imported, remove from ALLOWED_EXCEPTIONS: {set(ALLOWED_EXCEPTIONS) - used}"
 
 
+#: The one module that builds Kafka clients (``AIOKafkaConsumer(...)`` and the like).
+CLIENT_BUILDER = "trajbus.bus.clients"
+CLIENT_CLASSES = frozenset({"AIOKafkaConsumer", "AIOKafkaProducer", "AIOKafkaAdminClient",
+                            "ClusterAdminClient", "AIOKafkaClient", "Consumer", "Producer",
+                            "AdminClient"})
+
+
+def client_constructions(source: str) -> list[int]:
+    """The lines of ``source`` that call a Kafka client's class (by name or attribute)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) \
+                else None
+            if name in CLIENT_CLASSES:
+                found.append(node.lineno)
+    return found
+
+
+def test_kafka_clients_are_built_only_in_bus_clients() -> None:
+    wrong = [f"{module}:{line}" for module, (path, _) in SOURCES.items()
+             if module != CLIENT_BUILDER
+             for line in client_constructions(path.read_text())]
+    assert not wrong, ("build Kafka clients with trajbus.bus.clients (new_consumer, "
+                       "new_producer, new_admin):\n" + "\n".join(wrong))
+
+
+def test_a_planted_client_construction_is_caught() -> None:
+    planted = "import aiokafka\nc = aiokafka.AIOKafkaConsumer('t', bootstrap_servers='x')\n"
+    assert client_constructions(planted) == [2]
+    assert client_constructions("c = new_consumer(k, 't')\n") == []
+
+
 @pytest.mark.parametrize(("module", "source", "rule"), [
     ("trajbus.producers.planted",
      "def f():\n    from trajbus.consumers.replay.client import ReplayClient\n",

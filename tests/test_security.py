@@ -8,6 +8,7 @@ import asyncio
 import re
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from faults_support import (
@@ -24,6 +25,7 @@ from support import REPO, produce, settings_for
 from trajbus.archive.archiver import run_archiver
 from trajbus.archive.storage import LocalStore
 from trajbus.bus.admin import ensure_base_topics, ensure_topics
+from trajbus.bus.clients import new_admin, new_consumer, new_producer
 from trajbus.bus.settings import ArchiveSettings, KafkaSettings, Settings, TopicSettings
 from trajbus.bus.topics import Topics, TopicSpec
 from trajbus.schemas import models as m
@@ -211,23 +213,37 @@ def _client_calls() -> list[tuple[Path, int, str]]:
         for node in ast.walk(tree):
             if isinstance(node, ast.Call):
                 name = getattr(node.func, "id", getattr(node.func, "attr", ""))
-                if name in ("AIOKafkaProducer", "AIOKafkaConsumer", "AIOKafkaAdminClient"):
+                if name in ("AIOKafkaProducer", "AIOKafkaConsumer", "AIOKafkaAdminClient",
+                            "ClusterAdminClient"):
                     out.append((path, node.lineno, ast.unparse(node)))
     return out
 
 
 def test_every_library_kafka_client_takes_the_shared_connection_options() -> None:
-    """TLS/SASL settings live in bus.kafka.connection_options; a client built without it
-    would silently connect in PLAINTEXT."""
-    calls = [c for c in _client_calls() if c[0].relative_to(REPO).as_posix() not in (
-        "producers/testing.py", "trajbus/demo.py")]
-    assert len(calls) >= 10
+    """TLS/SASL settings live in bus.clients.connection_options; a client built without it
+    would silently connect in PLAINTEXT. Every client is built in bus/clients.py (the layer
+    test holds the rest of the code to its builders), and each construction there takes the
+    connection options."""
+    calls = _client_calls()
+    assert {p.relative_to(REPO).as_posix() for p, _, _ in calls} == {"bus/clients.py"}
     bare = [f"{p}:{n}" for p, n, src in calls
-            if not re.search(r"\*\*(connection_options|producer_options)\(", src)]
+            if not re.search(r"\*\*(\{\*\*)?(connection_options|producer_options)\(", src)]
     assert bare == []
 
 
-def test_demo_kafka_client_takes_the_shared_connection_options() -> None:
-    calls = [c for c in _client_calls() if c[0].relative_to(REPO).as_posix() == "trajbus/demo.py"]
-    assert calls and all(re.search(r"\*\*(connection_options|producer_options)\(", s)
-                         for _, _, s in calls)
+def test_the_client_builders_carry_the_sasl_settings() -> None:
+    k = KafkaSettings(bootstrap_servers="127.0.0.1:1", security_protocol="SASL_PLAINTEXT",
+                      sasl_mechanism="PLAIN", sasl_username="u", sasl_password="p")
+    loop = asyncio.new_event_loop()
+    try:
+        async def build() -> list[Any]:
+            return [new_consumer(k, "t", group_id="g"), new_producer(k), new_admin(k, "x")]
+        clients = loop.run_until_complete(build())
+    finally:
+        loop.close()
+    consumer, producer, admin = clients
+    assert consumer._client._security_protocol == "SASL_PLAINTEXT"
+    assert consumer._client._sasl_plain_username == "u"
+    assert producer.client._security_protocol == "SASL_PLAINTEXT"
+    assert producer.client._sasl_plain_username == "u"
+    assert admin._client._security_protocol == "SASL_PLAINTEXT"

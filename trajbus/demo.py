@@ -13,10 +13,10 @@ import sys
 import time
 from collections import Counter
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 
+from trajbus.bus.clients import new_consumer
 from trajbus.bus.closing import close_client
-from trajbus.bus.kafka import connection_options
 from trajbus.bus.settings import Settings
 
 
@@ -132,7 +132,7 @@ async def _publish_and_consume(
     await register_schemas(settings)
     topic = topics.sandbox_events
     # One consumer, positioned before we publish, reads exactly this run's events back.
-    consumer = AIOKafkaConsumer(**connection_options(settings.kafka), enable_auto_commit=False)
+    consumer = new_consumer(settings.kafka, enable_auto_commit=False)
     await consumer.start()
     producer = await get_producer(settings.kafka)
     tps = [TopicPartition(topic, p) for p in sorted(await producer.partitions_for(topic))]

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 
+from trajbus.bus.clients import new_consumer
 from trajbus.bus.closing import close_client
-from trajbus.bus.kafka import connection_options
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
 from trajbus.schemas.codec import DecodeError, default_codec
@@ -320,9 +320,9 @@ async def _watch(settings: Settings, topics: list[str], view: View, stop: asynci
     codec = default_codec()
     # From the beginning: the run has topics of its own ("latest" would miss what the worker
     # wrote before this consumer was assigned its partitions).
-    consumer = AIOKafkaConsumer(*topics, **connection_options(settings.kafka),
-                                auto_offset_reset="earliest", isolation_level="read_committed",
-                                enable_auto_commit=False, group_id=None)
+    consumer = new_consumer(settings.kafka, *topics,
+                            auto_offset_reset="earliest", isolation_level="read_committed",
+                            enable_auto_commit=False, group_id=None)
     await consumer.start()
     try:
         while not stop.is_set():
@@ -463,8 +463,8 @@ async def _unstable_partitions(settings: Settings, topics: list[str]
         return {}
     ends: dict[str, dict[Any, int]] = {}
     for isolation in ("read_committed", "read_uncommitted"):
-        consumer = AIOKafkaConsumer(**connection_options(settings.kafka),
-                                    enable_auto_commit=False, isolation_level=isolation)
+        consumer = new_consumer(settings.kafka,
+                                enable_auto_commit=False, isolation_level=isolation)
         await consumer.start()
         try:
             ends[isolation] = await consumer.end_offsets(tps)

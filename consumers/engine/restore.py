@@ -22,8 +22,9 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
 
 from trajbus.bus.admin import TOPIC_SETUP_PATIENCE_S
+from trajbus.bus.clients import new_consumer
 from trajbus.bus.closing import close_client
-from trajbus.bus.kafka import broker_went_away, connection_options, retry_while_broker_restarts
+from trajbus.bus.kafka import broker_went_away, retry_while_broker_restarts
 from trajbus.consumers.engine import metrics
 from trajbus.consumers.engine.memory import return_freed_memory
 from trajbus.consumers.engine.records import Processor
@@ -261,8 +262,8 @@ class RestoreMixin(RunnerState):
         (a rebalance during an outage; the soak of 2026-12-01 lost a worker this way): its
         bootstrap is retried for up to ``TOPIC_SETUP_PATIENCE_S``, as topic set-up is."""
         async def start() -> AIOKafkaConsumer:
-            consumer = AIOKafkaConsumer(
-                **connection_options(self.settings.kafka),
+            consumer = new_consumer(
+                self.settings.kafka,
                 isolation_level="read_committed",
                 enable_auto_commit=False,
                 auto_offset_reset="earliest",  # "latest" could race the explicit seek below

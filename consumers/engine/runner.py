@@ -51,16 +51,15 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from aiokafka.errors import KafkaConnectionError
 
 from trajbus.bus.admin import TOPIC_SETUP_PATIENCE_S, ensure_topics, leave_group_as_static_member
+from trajbus.bus.clients import new_consumer, new_producer
 from trajbus.bus.closing import close_client
 from trajbus.bus.kafka import (
     BrokerUnavailableError,
     broker_went_away,
     check_broker,
-    connection_options,
     retry_while_broker_restarts,
 )
 from trajbus.bus.ops import export_lag
-from trajbus.bus.producer import producer_options
 from trajbus.bus.topics import TopicSpec
 from trajbus.consumers.engine.assignors import OneMemberAssignor, group_assignors
 from trajbus.consumers.engine.changelog import (
@@ -301,7 +300,7 @@ class Runner(RestoreMixin, TransactionsMixin, IdleCommitMixin, OrderedReleaseMix
             await check_broker(self.settings.kafka)
         await self._prepare_topics(known_broker=recovering)
         k = self.settings.kafka
-        producer_args = dict(  # for producer_options (with the connection's settings)
+        producer_args = dict(  # aiokafka's options, over producer_options
             client_id=f"{self.group_id}-{self.worker_id}",
             transactional_id=f"{self.group_id}.{self.worker_id}",
             # outputs wrap inputs (dead letters, segments): allow the derived topics' size
@@ -309,7 +308,7 @@ class Runner(RestoreMixin, TransactionsMixin, IdleCommitMixin, OrderedReleaseMix
             # A batch's records are all appended before the transaction commits, and the
             # commit waits for them: lingering only delays every transaction.
             linger_ms=0)
-        consumer_args = dict(  # with connection_options (TLS/SASL) at the call
+        consumer_args = dict(  # aiokafka's options, over connection_options
             group_id=self.group_id,
             client_id=f"{self.group_id}-{self.worker_id}",
             # Static membership (KIP-345): a worker SIGKILLed and restarted with the same
@@ -351,10 +350,8 @@ class Runner(RestoreMixin, TransactionsMixin, IdleCommitMixin, OrderedReleaseMix
         when the broker stopped), they are built again and retried for up to
         ``TOPIC_SETUP_PATIENCE_S``, as topic set-up is."""
         async def start() -> tuple[AIOKafkaProducer, AIOKafkaConsumer]:
-            producer = AIOKafkaProducer(**producer_options(self.settings.kafka,
-                                                           **producer_args))
-            consumer = AIOKafkaConsumer(**connection_options(self.settings.kafka),
-                                        **consumer_args)
+            producer = new_producer(self.settings.kafka, **producer_args)
+            consumer = new_consumer(self.settings.kafka, **consumer_args)
             try:
                 await producer.start()
                 await consumer.start()

@@ -13,9 +13,9 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
 
 from trajbus.bus.admin import TOPIC_SETUP_PATIENCE_S
+from trajbus.bus.clients import new_producer
 from trajbus.bus.closing import close_client
 from trajbus.bus.kafka import lasting_delivery_error, retry_while_broker_restarts, sender_crash
-from trajbus.bus.producer import producer_options
 from trajbus.consumers.engine.records import TICK_KEY
 from trajbus.consumers.engine.state import RunnerState
 from trajbus.schemas.models import Envelope, Tick
@@ -59,8 +59,8 @@ class TickerMixin(RunnerState):
         tick_topics = self.spec.tick_topics or self.spec.input_topics
 
         async def start() -> tuple[AIOKafkaProducer, list[tuple[str, int]]]:
-            producer = AIOKafkaProducer(**producer_options(
-                self.settings.kafka, client_id=f"{self.group_id}-{self.worker_id}-ticker"))
+            producer = new_producer(
+                self.settings.kafka, client_id=f"{self.group_id}-{self.worker_id}-ticker")
             try:
                 await producer.start()
                 targets = [(t, p) for t in tick_topics

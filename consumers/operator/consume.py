@@ -18,12 +18,12 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 
 from trajbus.bus import inventory
+from trajbus.bus.clients import new_consumer
 from trajbus.bus.closing import close_client
 from trajbus.bus.errors import NotFoundError, existing
-from trajbus.bus.kafka import connection_options
 from trajbus.bus.positions import iso, resolve_offsets
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
@@ -183,8 +183,8 @@ async def consume(settings: Settings, topic: str,
         parts = sorted(partitions)
     tps = [TopicPartition(topic, p) for p in parts]
     k = settings.kafka
-    consumer = AIOKafkaConsumer(
-        **connection_options(k), enable_auto_commit=False, isolation_level="read_committed",
+    consumer = new_consumer(
+        k, enable_auto_commit=False, isolation_level="read_committed",
         auto_offset_reset="earliest", client_id=f"{k.client_id}-consume",
         max_partition_fetch_bytes=k.max_request_size, fetch_max_bytes=4 * k.max_request_size)
     await consumer.start()

@@ -39,9 +39,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka import AIOKafkaProducer
-
 from trajbus.bus import inventory
+from trajbus.bus.clients import new_producer
 from trajbus.bus.closing import close_client
 from trajbus.bus.errors import NotFoundError, UserError
 from trajbus.bus.kafka import check_broker
@@ -474,13 +473,12 @@ async def redrive(settings: Settings, dls: Sequence[DeadLetterRecord], *,
         for lead, _ in sends:
             out[lead.event_id] = Redriven(lead, lead.source_topic, lead.source_partition, -1)
         return [out[d.event_id] for d in dls if d.event_id in out]
-    from trajbus.bus.producer import producer_options
 
     await ensure_topics(settings, [s for s in topics.specs if s.name == topics.deadletter_status])
     parts = await inventory.partitions_of(settings, sorted({d.source_topic for d, _ in sends}))
-    producer = AIOKafkaProducer(**producer_options(
+    producer = new_producer(
         settings.kafka, client_id=f"{settings.kafka.client_id}-redrive",
-        transactional_id=f"{topics.prefix}.deadletter-redrive"))  # fences a crashed one
+        transactional_id=f"{topics.prefix}.deadletter-redrive")  # fences a crashed one
     await producer.start()
     try:
         async with producer.transaction():
@@ -509,14 +507,13 @@ async def resolve(settings: Settings, dls: Sequence[DeadLetterRecord], note: str
     """Mark dead letters ``resolved`` with ``note`` (or ``open`` again with ``reopen``) on the
     status topic. Returns how many were marked."""
     from trajbus.bus.admin import ensure_topics
-    from trajbus.bus.producer import producer_options
 
     if not dls:
         return 0
     topics = Topics(settings)
     await ensure_topics(settings, [s for s in topics.specs if s.name == topics.deadletter_status])
-    producer = AIOKafkaProducer(**producer_options(
-        settings.kafka, client_id=f"{settings.kafka.client_id}-resolve"))
+    producer = new_producer(
+        settings.kafka, client_id=f"{settings.kafka.client_id}-resolve")
     await producer.start()
     try:
         futs = [await producer.send(topics.deadletter_status,

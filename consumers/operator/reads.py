@@ -19,11 +19,12 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 
+from trajbus.bus.clients import new_consumer
 from trajbus.bus.closing import close_client
 from trajbus.bus.errors import NotFoundError, existing
-from trajbus.bus.kafka import admin_client, check_broker, connection_options
+from trajbus.bus.kafka import admin_client, check_broker
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
 from trajbus.consumers.engine.runner import InRecord
@@ -89,8 +90,8 @@ async def group_lag(settings: Settings, group: str, topics: Sequence[str]) -> di
     if not tps:
         return {}
     committed = await group_offsets(settings, group)
-    consumer = AIOKafkaConsumer(**connection_options(settings.kafka), enable_auto_commit=False,
-                                isolation_level="read_committed")
+    consumer = new_consumer(settings.kafka, enable_auto_commit=False,
+                            isolation_level="read_committed")
     await consumer.start()
     try:
         begin = await consumer.beginning_offsets(tps)
@@ -120,8 +121,8 @@ async def read_records(
     if not tps:
         return out
     k = settings.kafka
-    consumer = AIOKafkaConsumer(
-        **connection_options(k), enable_auto_commit=False, isolation_level="read_committed",
+    consumer = new_consumer(
+        k, enable_auto_commit=False, isolation_level="read_committed",
         auto_offset_reset="earliest",  # a "latest" reset racing the seek would skip everything
         client_id=f"{k.client_id}-operator", max_partition_fetch_bytes=k.max_request_size,
         fetch_max_bytes=4 * k.max_request_size,

@@ -7,8 +7,7 @@ import asyncio
 import uuid
 from dataclasses import dataclass
 
-from aiokafka import AIOKafkaProducer
-
+from trajbus.bus.clients import new_producer
 from trajbus.bus.closing import close_client
 from trajbus.bus.errors import UserError
 from trajbus.bus.settings import Settings
@@ -78,7 +77,6 @@ async def republish(
     the scheduler's replay acknowledgements) also read the debug topic unless their pattern
     excludes ``debug-`` tasks."""
     from trajbus.bus.admin import ensure_topics
-    from trajbus.bus.producer import producer_options
     from trajbus.bus.topics import TopicSpec
 
     topics = Topics(settings)
@@ -128,8 +126,8 @@ async def republish(
     await ensure_topics(settings, [TopicSpec(
         topic, settings.topics.partitions, f"operator republish of {task}", "sandbox/episode",
         max_message_bytes=settings.topics.max_message_bytes)])
-    producer = AIOKafkaProducer(**producer_options(
-        settings.kafka, client_id=f"{settings.kafka.client_id}-republish"))
+    producer = new_producer(
+        settings.kafka, client_id=f"{settings.kafka.client_id}-republish")
     await producer.start()
     try:
         key = episode_record_key(sandbox, episode)

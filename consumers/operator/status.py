@@ -7,10 +7,11 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 
+from trajbus.bus.clients import new_consumer
 from trajbus.bus.closing import close_client
-from trajbus.bus.kafka import check_broker, connection_options
+from trajbus.bus.kafka import check_broker
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
 from trajbus.consumers.operator.reads import group_lag, read_records, topic_partitions
@@ -27,8 +28,8 @@ async def retained_records(settings: Settings, topics: Sequence[str]) -> dict[st
     out = dict.fromkeys(parts, 0)
     if not tps:
         return out
-    consumer = AIOKafkaConsumer(**connection_options(settings.kafka), enable_auto_commit=False,
-                                isolation_level="read_committed")
+    consumer = new_consumer(settings.kafka, enable_auto_commit=False,
+                            isolation_level="read_committed")
     await consumer.start()
     try:
         begin = await consumer.beginning_offsets(tps)

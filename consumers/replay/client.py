@@ -137,8 +137,9 @@ from aiokafka.errors import CommitFailedError, IllegalStateError
 from aiokafka.structs import OffsetAndMetadata
 
 from trajbus.bus import inventory
+from trajbus.bus.clients import new_consumer
 from trajbus.bus.closing import close_client
-from trajbus.bus.kafka import admin_client, check_broker, connection_options
+from trajbus.bus.kafka import admin_client, check_broker
 from trajbus.bus.positions import StartPosition, parse_start, resolve_offsets
 from trajbus.bus.settings import Settings, get_settings
 from trajbus.bus.topics import Topics, validate_name
@@ -371,8 +372,8 @@ class ReplayClient:
         await self._load_committed()
         if self.start_position == "latest":
             self._latest_at_start = await self._end_offsets_now()
-        self._consumer = AIOKafkaConsumer(
-            **connection_options(self.settings.kafka),
+        self._consumer = new_consumer(
+            self.settings.kafka,
             group_id=self.group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
@@ -1002,8 +1003,8 @@ class ReplayClient:
         tps = [TopicPartition(t, p) for t, ps in parts.items() for p in ps]
         if not tps:
             return {}
-        consumer = AIOKafkaConsumer(**connection_options(self.settings.kafka),
-                                    enable_auto_commit=False, isolation_level="read_committed")
+        consumer = new_consumer(self.settings.kafka,
+                                enable_auto_commit=False, isolation_level="read_committed")
         await consumer.start()
         try:
             return dict(await consumer.end_offsets(tps))
