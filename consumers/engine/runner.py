@@ -31,9 +31,8 @@ input partitions, so ticks are part of the log and an offline replay makes the s
 
 Why not a faust agent: faust-streaming's ``exactly_once`` logs and swallows transaction errors
 (STACK-NOTES.md, faust #517/#177), its timers cannot be driven by a test, and its table
-recovery can skip records fetched during the recovery after a SIGKILL (README, "Design";
-RELIABILITY.md, bug J). This loop is explicit aiokafka with the same table-plus-changelog
-recovery model.
+recovery can skip records fetched during the recovery after a SIGKILL (README, "Design").
+This loop is explicit aiokafka with the same table-plus-changelog recovery model.
 
 The runner is a façade over one module per concern; each is a mixin over the shared
 :class:`~.state.RunnerState`:
