@@ -10,9 +10,17 @@ For a batch ``[first, last]`` of (topic, partition), :meth:`ArchiveWriter.write_
 4. uploads the object's index rows (``index/date=D/task=T/<same name>``), after the object,
    so an index row never points at a missing object;
 5. writes the batch marker ``_batches/<topic>-<partition>/<first>-<last>.json`` naming the
-   objects. The shell commits ``last + 1`` after this and then deletes the marker. A crash
-   before the commit leaves the marker; on restart the archiver replays exactly that batch
-   boundary (``ArchiveBatcher.expect``) and overwrites the same keys: no duplicate rows.
+   objects.
+
+Then the shell (``archive/archiver.py``):
+
+6. publishes the step's dead letters;
+7. commits ``last + 1`` for the batch's partition: the first moment the batch counts as
+   archived. A commit refused after a rebalance keeps the marker for the next owner;
+8. deletes the marker (:meth:`ArchiveWriter.clear_marker`).
+
+A crash before step 7 leaves the marker; on restart the archiver replays exactly that batch
+boundary (``ArchiveBatcher.expect``) and overwrites the same keys: no duplicate rows.
 """
 
 from __future__ import annotations

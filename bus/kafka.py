@@ -246,8 +246,8 @@ def lasting_delivery_error(exc: BaseException) -> bool:
 def sender_crash(producer: Any) -> BaseException | None:
     """The error that ended an aiokafka producer's sender routine, if it ended with one.
 
-    When that routine meets an error it does not handle (a connection lost during a
-    coordinator look-up, CI 2026-12-02), every pending send and the transaction fail with
+    When that routine meets an error it does not handle (e.g. a connection lost during a
+    coordinator look-up), every pending send and the transaction fail with
     ``KafkaError: Unexpected error during batch delivery``; the sends get copies without the
     cause, so only the routine's own error tells that the broker went away."""
     sender = getattr(producer, "_sender", None)

@@ -1,9 +1,10 @@
 """Logging of long-running processes: a Kafka client's repeated complaints, summarised.
 
 While the broker is away, aiokafka logs every failed connection, metadata update and heartbeat:
-a trial of 2026-12-02 counted 300 to 8,000 lines a second from one worker (27 MB in a minute),
-which buries what the operator needs. :class:`RepeatLimiter` lets each kind of message through
-once per interval and says how many like it it held back. ``--debug`` shows them all.
+thousands of lines a second from one worker, which bury what the operator needs
+(docs/decisions/0011-summarised-client-logs.md). :class:`RepeatLimiter` lets each kind of
+message through once per interval and says how many like it it held back. ``--debug`` shows
+them all.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 aiokafka 0.14 has no ``reconnect.backoff.ms``: while a broker is away, every routine of every
 client (the metadata synchronizer, the fetcher, the producer's sender, the group coordinator
 look-up) opens a new connection on each of its retries, and each failure wakes the metadata
-synchronizer for one more. An idle worker of three processors made ~190 connection attempts
-a second during an outage (RELIABILITY finding Z; aio-libs/aiokafka#496 and the unmerged
-#1014 describe the same).
+synchronizer for one more: even an idle worker makes hundreds of connection attempts a second
+during an outage (aio-libs/aiokafka#496 and the unmerged #1014 describe the same;
+docs/decisions/0001-paced-reconnects.md has the measurements).
 
 With :func:`install`, a connection to a broker address that just failed is not attempted
 again before a backoff: ``reconnect_backoff_ms`` after the first failure, doubling with each
@@ -19,7 +19,8 @@ connection asked for during the backoff is answered "node not ready", as a faile
 would be: aiokafka's long-running routines (fetcher, sender, group coordinator, metadata)
 retry it after their ``retry_backoff_ms``; a one-shot admin request fails as it would have
 failed on a refused connection. A broker that comes back is reconnected to within
-``reconnect_backoff_max_ms`` (+20 %). The idle worker above: ~1.2 attempts a second.
+``reconnect_backoff_max_ms`` (+20 %). An idle worker then makes about one attempt a second
+per address while the broker is away.
 
 The backoff arithmetic is :class:`ReconnectBackoff` (time passed in, no clock inside).
 :func:`install` wraps aiokafka's ``create_conn`` (every attempt, bootstrap included, records

@@ -37,14 +37,14 @@ class KafkaSettings(BaseModel):
     ssl_cafile: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
-    # lz4. aiokafka compresses lz4 at level 9 (HC): zstd-3 measured ~10x faster on
-    # incompressible trace bytes, 2x on logs, with a better ratio (bench/ANALYSIS.md), but is
-    # not the default: aiokafka fetches with FetchRequest v4, which cannot read topics whose
+    # lz4. zstd compresses faster than aiokafka's lz4 at level 9 (HC) and better, but is not
+    # the default: aiokafka fetches with FetchRequest v4, which cannot read topics whose
     # broker-side compression.type is zstd (aio-libs/aiokafka#1112).
+    # docs/decisions/0004-lz4-level-1.md.
     compression_type: Literal["gzip", "lz4", "zstd", "snappy"] | None = "lz4"
     # lz4 level for aiokafka's producers (its own default is 9, the slow HC mode): level 1
-    # compressed this project's events 6x faster (914 vs 148 MB/s per core) for a 7% larger
-    # output (ratio 3.27 vs 3.50); BENCHMARKS.md, bench/ANALYSIS.md.
+    # compresses several times faster for a slightly larger output
+    # (docs/decisions/0004-lz4-level-1.md).
     lz4_level: int = Field(default=1, ge=0, le=16)
     linger_ms: int = 10
     max_batch_size: int = 1_048_576
@@ -59,22 +59,23 @@ class KafkaSettings(BaseModel):
     # How often a worker heartbeats to its group. It learns that a rebalance started (a worker
     # joining or leaving) from a heartbeat's answer: until then a joining worker waits, and the
     # partitions of one that left are served by nobody. 500 ms instead of session / 5 (2 s)
-    # cut that wait from up to 2 s to up to 0.5 s (bench/bench_rebalance.py, SCALING.md
-    # section 8). At most a third of the session timeout.
+    # bounds that wait by 0.5 s instead of 2 s (docs/decisions/0003-fast-heartbeat.md). At
+    # most a third of the session timeout.
     heartbeat_interval_ms: int = Field(default=500, ge=100)
     # How long the broker may hold a fetch that finds no new data (the workers', archiver's and
     # trainers' consumers). aiokafka keeps one fetch in flight per broker, and a fetch leaves out
     # the partitions whose records the process has not taken yet; while a batch's transaction
     # runs, that can be a fetch of idle partitions only, which the broker holds this long while
-    # the busy partitions' records wait behind it. aiokafka's default, 500 ms, silenced every
-    # partition of a worker for ~0.5-0.6 s now and then (bench/bench_rebalance.py; RELIABILITY
-    # finding W); 100 ms bounds it, for a few more fetches a second of idle partitions.
+    # the busy partitions' records wait behind it: with aiokafka's default, 500 ms, every
+    # partition of a worker can be silent for ~0.5 s now and then. 100 ms bounds that, for a
+    # few more fetches a second of idle partitions (docs/decisions/0002-short-fetch-wait.md).
     fetch_max_wait_ms: int = Field(default=100, ge=0, le=500)
     # After a failed connection to a broker, the next attempt to that address waits this long,
     # doubling per consecutive failure up to the max (+-20 %), as Kafka's own clients do
-    # (reconnect.backoff.ms / .max.ms). aiokafka has none: during an outage a worker retried
-    # ~190 connections a second (trajbus.bus.reconnect, RELIABILITY finding Z). A base of 0
-    # turns it off; the max is at least the base (0: the same as the base).
+    # (reconnect.backoff.ms / .max.ms). aiokafka has none, so without it a worker retries a
+    # connection to a broker that is away many times a second (trajbus.bus.reconnect;
+    # docs/decisions/0001-paced-reconnects.md). A base of 0 turns it off; the max is at least
+    # the base (0: the same as the base).
     reconnect_backoff_ms: int = Field(default=50, ge=0, le=10_000)
     reconnect_backoff_max_ms: int = Field(default=1_000, ge=0, le=60_000)
 
@@ -131,14 +132,15 @@ class ProducerSideSettings(BaseModel):
     send_round_ms: float = 10.0
     # With many emitters open the interval grows with their number -- send_round_ms per 100
     # emitters, up to this -- so a round keeps serving ~10 emitters' events per 10 ms of
-    # interval: 1,000 emitters at 1 event/s each, one round per 50 ms of ~50 events, cost 15 %
-    # less CPU than one per 10 ms (bench/ANALYSIS.md "Many emitters"), for up to 40 ms more
-    # before an event is sent. Below 100 open emitters the interval is send_round_ms.
+    # interval: fewer, larger rounds cost less CPU per event, for up to
+    # send_round_max_ms - send_round_ms more before an event is sent
+    # (docs/decisions/0005-shared-sender-rounds.md). Below 100 open emitters the interval is
+    # send_round_ms.
     send_round_max_ms: float = 50.0
     # With more than 100 emitters open on one event loop, the loop's thread gets a Linux timer
     # slack of the round interval, at most this: its timed waits (the callers' sleeps, the
     # rounds' wait and the producer's linger included) may end up to that much late, so ~1,000
-    # timed wake-ups a second coalesce into a few dozen (bench/ANALYSIS.md "Timer slack"). I/O
+    # timed wake-ups a second coalesce into a few dozen (docs/decisions/0006-timer-slack.md). I/O
     # still wakes the loop at once. The thread's own slack comes back when 100 or fewer are
     # open; threads it starts meanwhile inherit it. 0 = never touch the thread's slack.
     timer_slack_max_ms: float = 50.0
@@ -146,7 +148,8 @@ class ProducerSideSettings(BaseModel):
     # "filesystem": one syncfs(2) per filesystem for all the round's journals on it (a group
     # commit: at 1,000 emitters a round of ~50 journals costs one call, not 50 fdatasyncs;
     # Linux only, elsewhere per file). "file": one fdatasync per journal, for a filesystem
-    # where that measures faster (bench/bench_many_emitters.py --journal-sync).
+    # where that is faster (compare with bench/bench_many_emitters.py --journal-sync;
+    # docs/decisions/0007-journal-group-commit.md).
     journal_sync: Literal["filesystem", "file"] = "filesystem"
     redact_env: list[str] = Field(
         default_factory=lambda: [
@@ -230,9 +233,11 @@ class SchedulerSettings(BaseModel):
 
 class ReplaySettings(BaseModel):
     # How long (log time, silences taken out) a missing seq may hold its episode back before
-    # it is declared a gap. Longer than a cluster failover as one producer sees it: on a
-    # 3-node cluster a sandbox's producer reached a partition 9-10 s after a node died while
-    # other producers wrote to it all along (RELIABILITY finding CL8); 5 s made false gaps.
+    # it is declared a gap. Longer than a cluster failover as one producer sees it: a
+    # sandbox's producer can reach a partition seconds after a node died while other
+    # producers write to it all along, and a shorter timeout declares false gaps
+    # (docs/decisions/0009-gap-timeout-30s.md). It delays only the declaration of a real loss:
+    # in-order delivery waits for nothing.
     gap_timeout_ms: int = 30_000
     max_buffered_per_episode: int = 10_000
     max_buffered_total: int = 2_000_000

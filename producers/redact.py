@@ -88,11 +88,11 @@ def _hint_filter(hints: Iterable[str], as_bytes: bool) -> Callable[[Any], bool]:
     text or in its lower-cased form, so no rule can run. ASCII hints are looked for
     lower-cased, as substrings of the lower-cased input (a hint that occurs in the text occurs
     lower-cased in the lower-cased text; a hint containing another is dropped): one
-    ``__contains__`` per hint, iterated in C -- 2.7x faster than one regex alternation of them
-    on a 70-character input and 3x on 1.4 kB (``re`` tries the alternation at every position
-    whose character starts some hint, and ``a``, ``e``, ``p``, ``s`` do). The rest (non-ASCII
-    env values, where lower-casing may depend on context) by plain substring checks on the
-    input and on its lower-cased form."""
+    ``__contains__`` per hint, iterated in C -- several times faster than one regex
+    alternation of them (``re`` tries the alternation at every position whose character starts
+    some hint, and ``a``, ``e``, ``p``, ``s`` do; docs/decisions/0008-shared-redaction-rules.md).
+    The rest (non-ASCII env values, where lower-casing may depend on context) by plain
+    substring checks on the input and on its lower-cased form."""
     ascii_: set[str] = set()
     other: list[Any] = []
     for h in hints:
@@ -118,9 +118,8 @@ class _CompiledRules:
     prefilters, a cache of which dict keys look sensitive). Shared by the redactors of the
     sandboxes with exactly these secrets -- on a node, mostly the many with none of their
     own: 1,000 emitters then touch one set of rule objects instead of 1,000 copies, which
-    measured ~7 % less CPU for the process (~10 % for the emit calls alone; bench/ANALYSIS.md
-    "Many emitters: where the head stands"). A redactor never holds another sandbox's
-    secrets: the key is the secrets themselves."""
+    saves CPU on every emit (docs/decisions/0008-shared-redaction-rules.md). A redactor never
+    holds another sandbox's secrets: the key is the secrets themselves."""
 
     def __init__(self, env_secrets: tuple[tuple[str, str], ...]) -> None:
         rules = [Rule(f"env:{n}", re.escape(v), (v,)) for n, v in env_secrets] + RULES

@@ -1,10 +1,10 @@
 """The shared sender: one send task per event loop for every :class:`SandboxEmitter` on it.
 
 A node runs hundreds to thousands of sandboxes, each with its own emitter, most emitting about
-one event a second. Sending alone, each emitter's own task woke, synced its journal, sent one
-record and journaled one ack per event: the per-event overhead of a task was paid 1,000 times
-a second (issue 18, item 4). Here the emitters of one loop hand their ready queues to one
-:class:`SharedSender` task that runs *rounds*:
+one event a second. Were each emitter to send alone, its own task would wake, sync its
+journal, send one record and journal one ack per event: the per-event overhead of a task, paid
+1,000 times a second (docs/decisions/0005-shared-sender-rounds.md). Instead the emitters of one
+loop hand their ready queues to one :class:`SharedSender` task that runs *rounds*:
 
 0. while more than one emitter is open, start at most one round per
    ``settings.producer.send_round_ms`` (10 ms), and per that much for every 100 open emitters
@@ -25,19 +25,19 @@ a second (issue 18, item 4). Here the emitters of one loop hand their ready queu
    across sandboxes, without giving up the per-sandbox journal directory (each sandbox's
    unit of locking, recovery and migration). A lone journal, or ``journal_sync="file"``,
    gets its own ``fdatasync``. ``syncfs`` also writes back other dirty data of the
-   filesystem; measured on ext4 it was still the faster of the two beside a heavy writer
-   (bench/ANALYSIS.md "Group commit"), so there is no automatic switch between them. A round
+   filesystem; on ext4 it stays the faster of the two even beside a heavy writer, so there is
+   no automatic switch between them (docs/decisions/0007-journal-group-commit.md). A round
    whose sync took over ``SLOW_SYNC_WARN_S`` holds up every emitter's sends (not its emits)
    and is logged, at most every ``SLOW_SYNC_WARN_EVERY_S``;
 3. send them through the process's shared producer, emitter by emitter, each emitter's events
    in seq order (one ``send()`` each: the producer batches them per partition, over rounds,
    for ``linger_ms``); acks come back through each record's future.
 
-Not done: one ``send_batch`` per partition per round. Tried (issue 18): at 1,000 emitters x 1
-event/s a round holds ~2 events per partition, fewer than the producer's own batches gather
-over ``linger_ms``, and the process used the same CPU within the noise (8 alternating pairs);
-and ``send_batch`` waits until the partition's previous batch is drained, so one slow
-partition would hold up every other partition's sends in that round.
+Not done: one ``send_batch`` per partition per round. At 1,000 emitters x 1 event/s a round
+holds ~2 events per partition, fewer than the producer's own batches gather over
+``linger_ms``, so it saves no CPU; and ``send_batch`` waits until the partition's previous
+batch is drained, so one slow partition would hold up every other partition's sends in that
+round (docs/decisions/0005-shared-sender-rounds.md).
 
 What is durable when (``durability="fsync"``): an event is in the journal (``write(2)``, so it
 survives SIGKILL of the process) when its ``emit`` returns; it is on disk (``fdatasync``) before
@@ -55,9 +55,9 @@ were lost, so it counts as failed for every journal it covered); an event the pr
 refuses goes back to its emitter's queue with the rest of that emitter's batch and is retried
 after a backoff without holding up the others; a failed delivery is re-queued at once. A
 delivery that failed for good (an idempotent producer that lost a sequence after a long broker
-outage has every later batch of that partition refused: RELIABILITY finding Y) makes the next
-round replace the process's shared producer first; the events it failed are sent again
-through the new one.
+outage has every later batch of that partition refused:
+docs/decisions/0019-replace-a-failed-producer.md) makes the next round replace the process's
+shared producer first; the events it failed are sent again through the new one.
 
 The sender reaches its emitters only through :class:`~trajbus.producers.sending.SenderMember`
 (which :class:`~trajbus.producers.emitter.SandboxEmitter` implements): take a batch, the

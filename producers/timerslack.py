@@ -5,7 +5,7 @@ timeout of ``epoll_wait`` that an asyncio loop sleeps in until its next timer --
 wake-ups due close together happen as one (prctl(2), "PR_SET_TIMERSLACK"; the default is
 50 us). An event loop hosting 1,000 emitters whose callers each wake once a second on a timer
 then wakes tens of times a second instead of ~1,000 and runs each batch of due callbacks
-together, at a fraction of the CPU (bench/ANALYSIS.md "Timer slack"). Readiness of a socket or
+together, at a fraction of the CPU (docs/decisions/0006-timer-slack.md). Readiness of a socket or
 pipe still wakes the loop at once: only timed waits are made later, by at most the slack --
 every timed wait of that thread (its ``time.sleep``, lock and queue timeouts too), and of
 threads it starts meanwhile: a new thread inherits its creator's current slack (prctl(2)),

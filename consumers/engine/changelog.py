@@ -6,16 +6,15 @@ from __future__ import annotations
 # A restore reads the whole changelog partition: the compacted part (the live keys, and the
 # tombstones of deleted keys, kept delete.retention.ms after the cleaner first reached them),
 # the closed segments the cleaner has not reached yet, and the active segment, which Kafka never
-# compacts. Kafka's defaults (1 GiB / 7 days segments, tombstones a day) made a restore after
-# hours of history read millions of records (bench/bench_restore_history.py: 0.9-3.7 million,
-# 10-25 s, for 20,000 open episodes at load A; SCALING.md section 8). So: segments as small as
+# compacts. With Kafka's defaults (1 GiB / 7 days segments, tombstones a day) a restore after
+# hours of history reads millions of records, most of them superseded. So: segments as small as
 # the largest record batch allows (changelog_configs raises SEGMENT_FLOOR_BYTES to that batch
 # plus 1 MiB: a batch must fit in a segment, and a state record may be as large as the topic's
 # max.message.bytes; ~10 MiB with the default 8 MiB records), rolled at the latest after 10
 # minutes, cleaned once 10% is dirty (with a compacted part this small, any closed segment is)
 # and at most 15 minutes after a write; tombstones go 3 minutes after their first cleaning,
-# ~30x the longest restore measured under load (SCALING.md section 8: 16 MiB segments and 10
-# minutes of tombstones left the worst case, a kill right after a roll, at 5.2 s). Existing
+# far longer than a restore under load takes, so a restore never misses a delete
+# (docs/decisions/0017-changelog-segments-and-tombstones.md has the measurements). Existing
 # changelogs keep the configs they were created with (ensure_topics does not alter them):
 # `kafka-configs --alter` to apply these.
 SEGMENT_FLOOR_BYTES = 4 * 1024 * 1024

@@ -148,7 +148,7 @@ def _worker(args: argparse.Namespace) -> int:
     from trajbus.consumers.engine.supervisor import arm_hard_exit
 
     # Once the worker begins to stop (a signal, a failed processor), it must be gone within a
-    # deadline, so that its supervisor can start it again (RELIABILITY.md, finding X).
+    # deadline, so that its supervisor can start it again (engine/supervisor.py).
     counts = asyncio.run(run_workers(settings, names, args.worker_id, args.until_idle,
                                      on_stop=lambda reason: arm_hard_exit(reason), ops=ops))
     print(json.dumps({"processed": counts}), file=sys.stderr)

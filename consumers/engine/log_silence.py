@@ -5,9 +5,9 @@ Tick into it every ``tick_interval_ms``. When it is silent longer than that, the
 could not be written -- its leader died and a new one was not elected yet, the cluster lost
 its in-sync majority, the whole cluster was down. Records produced meanwhile sit in their
 producers' retries and reach the log *after* the silence, in any order against the ticks
-that queued up with them. Measured on a 3-node cluster with a leader SIGKILLed (2026-12-05):
-a trace chunk produced before the crash was written 5.5 s later, after six queued ticks that
-claimed times up to 0.3 s before it -- with a 5 s gap timeout, a false gap.
+that queued up with them: after a leader's crash a record produced before it can be written
+seconds later, behind queued ticks that claim earlier times, and a gap timeout judged in log
+time alone would declare a false gap (docs/decisions/0010-log-silences.md).
 
 :class:`LogSilences` turns log time into *serving time*: log time with every silence taken
 out (time stands still while any input partition is out). Timeouts judged in serving time

@@ -523,10 +523,11 @@ class WatchdogProcessor(_Adapter):
         """Nothing: the watchdog judges no timer by a tick. A tick (the runner's wall clock, read
         from its own topic in whatever order the consumer interleaves it with the replay
         partitions) can run ahead of a partition read behind it, or hours ahead of or behind a
-        sandbox's clock; judged by it, a tick read between an episode's segments evicted the
-        stream as idle and its loop count started over (RELIABILITY.md, finding AF). The
-        timers run on each replay partition's own log time instead (``WatchdogCore.advance``),
-        so the decisions depend on the log alone: replays and restarts decide the same."""
+        sandbox's clock; judged by it, a tick read between an episode's segments would evict
+        the stream as idle and start its loop count over. The timers run on each replay
+        partition's own log time instead (``WatchdogCore.advance``), so the decisions depend
+        on the log alone: replays and restarts decide the same
+        (docs/decisions/0018-watchdog-timers-on-log-time.md)."""
         return []
 
     def _convert(self, results: list[Any], outs: list[OutRecord], rec: InRecord | None,

@@ -2,6 +2,34 @@
 they are exactly the committed state (:func:`reusable_slots`), and otherwise rebuilt from the
 committed changelog, read in a thread with an event loop of its own.
 
+When partitions are revoked (:meth:`RestoreMixin.park`, after the runner's ``quiesce``: the
+in-flight transaction has committed, so all they produced is committed), their cores are set
+aside with the group's committed offset of each of their input partitions.
+
+When partitions are assigned (:meth:`RestoreMixin.restore`, never while a batch is
+processed):
+
+1. wait for the in-flight transaction, so its state is in the changelog that is read;
+2. fetch the group's committed offsets of the assigned partitions;
+3. keep each set-aside core whose slot comes back with the same input partitions and
+   unchanged committed offsets (:func:`reusable_slots`); drop the other set-aside cores;
+4. rebuild the other slots' cores: if some were kept, the new partitions are paused and
+   restored in the background while the kept ones are served, then resumed; otherwise the
+   restore runs before the first batch. A restore (:meth:`RestoreMixin._restore`), in a thread
+   with its own event loop:
+
+   a. reads each slot's changelog partition from its beginning, keeping the latest value of
+      each key (a tombstone deletes), until the position has reached the last stable offset
+      and no transaction is pending on the partition (last stable offset == high watermark);
+      a transaction pending longer than ``RESTORE_PENDING_TXN_WAIT_S`` is taken as abandoned
+      and the partition is restored up to its last stable offset;
+   b. if the broker goes away meanwhile, reads again from the beginning, for up to
+      ``TOPIC_SETUP_PATIENCE_S``; no answer for ``RESTORE_STALL_S`` raises;
+   c. closes its consumer and lets the fetched records go, then builds the cores from the
+      latest values and returns the freed heap to the OS.
+
+Nothing is committed by a restore: it reads committed state only (``read_committed``).
+
 Guarantee: a core is built from the changelog only once every transaction that was pending
 on its state partition has completed (or is taken as abandoned after
 ``RESTORE_PENDING_TXN_WAIT_S``), so it holds the state of the group's committed offsets.
@@ -35,7 +63,7 @@ ops_log = logging.getLogger("trajbus.ops")
 
 # How long a restore waits for a transaction pending on a state partition to complete. A
 # committed transaction's markers land in milliseconds; one pending longer belongs to an owner
-# that died mid-transaction (RELIABILITY.md, finding P).
+# that died mid-transaction (docs/decisions/0015-restore-waits-for-pending-transactions.md).
 RESTORE_PENDING_TXN_WAIT_S = 5.0
 # A restore whose reads get no answer for this long gives up (the broker is gone for good, or
 # for longer than a restart); the worker's supervisor restarts the processor.
@@ -44,7 +72,7 @@ RESTORE_STALL_S = 60.0
 
 #: How long one offset lookup may wait for a partition's leader before it is asked again with
 #: fresh metadata: aiokafka's own lookup waits out request_timeout_ms (30 s) when the leader it
-#: knows is shutting down or dead, so a restore during a rolling restart stalled 42 s.
+#: knows is shutting down or dead, which would stall a restore during a rolling restart.
 OFFSET_LOOKUP_TRY_S = 5.0
 
 
@@ -149,9 +177,9 @@ class RestoreMixin(RunnerState):
             self._committed.update(committed)
             todo = [tp for tp in assigned if self._slot(tp.partition) not in self.cores]
             if todo and keep and self._consumer is not None and not self.spec.ordered:
-                # A restore takes its time (~0.1 s per 15k records); meanwhile the kept
-                # partitions go on. The new ones are paused, so nothing of them is processed
-                # before their cores exist.
+                # A restore takes time in proportion to the changelog records it reads;
+                # meanwhile the kept partitions go on. The new ones are paused, so nothing of
+                # them is processed before their cores exist.
                 self._consumer.pause(*todo)
                 self._restoring = asyncio.create_task(self._restore_then_resume(todo))
                 log.info("%s: restoring partitions %s while serving the kept ones",
@@ -202,8 +230,8 @@ class RestoreMixin(RunnerState):
     async def _restore(self, assigned: Iterable[TopicPartition]) -> None:
         """Build the cores of the assigned slots that have none from the committed changelog.
         The reading and building run in a thread with an event loop of its own: a restore is
-        CPU work (~0.4 s for 50k records), and the worker's loop goes on serving the partitions
-        it kept meanwhile (see :meth:`restore`)."""
+        CPU work, and the worker's loop goes on serving the partitions it kept meanwhile (see
+        :meth:`restore`; docs/decisions/0016-restore-in-a-thread.md)."""
         slots = sorted({self._slot(tp.partition) for tp in assigned} - set(self.cores))
         if not slots:
             return
@@ -234,8 +262,8 @@ class RestoreMixin(RunnerState):
     async def _read_changelog_retrying(self, slots: list[int], abort: threading.Event
                                        ) -> tuple[dict[int, dict[str, bytes | None]], int]:
         """:meth:`_read_changelog`, read again from the start if the broker went away
-        meanwhile (a restart during a restore stopped a worker in the soak of 2026-12-02),
-        for up to ``TOPIC_SETUP_PATIENCE_S``."""
+        meanwhile, for up to ``TOPIC_SETUP_PATIENCE_S``: a broker restart during a restore
+        does not stop the worker (docs/decisions/0013-ride-out-broker-restarts.md)."""
         async def attempt() -> tuple[dict[int, dict[str, bytes | None]], int]:
             try:
                 return await self._read_changelog(slots, abort)
@@ -259,8 +287,9 @@ class RestoreMixin(RunnerState):
 
     async def _start_restore_consumer(self) -> AIOKafkaConsumer:
         """A consumer of the changelog. A restore can begin while the broker is restarting
-        (a rebalance during an outage; the soak of 2026-12-01 lost a worker this way): its
-        bootstrap is retried for up to ``TOPIC_SETUP_PATIENCE_S``, as topic set-up is."""
+        (a rebalance during an outage): its bootstrap is retried for up to
+        ``TOPIC_SETUP_PATIENCE_S``, as topic set-up is, so such a restore does not stop the
+        worker."""
         async def start() -> AIOKafkaConsumer:
             consumer = new_consumer(
                 self.settings.kafka,
@@ -296,16 +325,16 @@ class RestoreMixin(RunnerState):
             # The latest value of each key, in the order of its last write: what a fully
             # compacted changelog holds. The cores are built from it only once the consumer
             # and every record it fetched are gone, so the long-lived state is not scattered
-            # among short-lived records (RSS after a restore was x1.7 the uninterrupted
-            # worker's, bench_recovery).
+            # among short-lived records and the heap after a restore stays close to an
+            # uninterrupted worker's (docs/decisions/0016-restore-in-a-thread.md).
             latest: dict[int, dict[str, bytes | None]] = {s: {} for s in slots}
             # Read until no transaction is pending on the partition (last stable offset ==
             # high watermark), not merely to the last stable offset. A previous owner that let
             # go of the partition had its last transaction committed just before, and its
             # commit markers can still be on their way while its input offsets are visible
             # already: restoring without that transaction's state would resume after inputs
-            # whose state is lost (a clean handover lost events this way). A transaction still
-            # pending after RESTORE_PENDING_TXN_WAIT_S is taken as abandoned (a SIGKILLed
+            # whose state is lost, so even a clean handover would lose events. A transaction
+            # still pending after RESTORE_PENDING_TXN_WAIT_S is taken as abandoned (a SIGKILLed
             # owner; the broker aborts it after its timeout, and its offsets were never
             # committed): the state up to the last stable offset is then the consistent one.
             pending = set(tps)

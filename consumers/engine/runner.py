@@ -1,10 +1,22 @@
 """The imperative shell shared by every stream processor (reorder, watchdog, scheduler).
 
 A processor is a pure core behind a :class:`Processor` adapter. The runner feeds it records
-and persists its outputs and state with Kafka transactions:
+and persists its outputs and state with Kafka transactions. The main loop (:meth:`Runner.run`):
 
-    consume batch -> core.handle(...) -> outputs + dirty state + input offsets
-                  -> ONE transaction: output records, state changelog records, offsets
+1. polls a batch (up to 2,000 records) from the input partitions (``read_committed``); in
+   ordered mode the partitions are merged first (:mod:`.ordering`);
+2. hands the batch to the cores, slot by slot (a slot whose core is not built yet is restored
+   first, :mod:`.restore`), and takes the outputs and the state each touched key ended with;
+3. waits for the previous batch's transaction: if it failed, the worker stops before anything
+   of this batch is written; if the runner is told to stop meanwhile, this batch's
+   transaction is never begun (its inputs are processed again by their next owner);
+4. begins this batch's transaction in a task and goes back to 1: the transaction writes the
+   outputs and the state records, waits for every one to be acknowledged, adds the input
+   offsets and commits (:mod:`.transactions`). Only this commit makes any of it visible;
+5. with no input but ticks for ``PASS_MARKERS_AFTER_S``, commits the idle partitions'
+   positions past commit markers in a transaction of its own (:mod:`.idle_commit`);
+6. on a stop, waits for the in-flight transaction at most ``SETTLE_ON_STOP_S``, then closes
+   its clients; a transaction still pending is left for the broker to abort.
 
 Guarantee: a batch's outputs, the state they leave behind and the input offsets that produced
 them become visible together or not at all (consumers of our outputs read ``read_committed``).
@@ -18,9 +30,9 @@ Time: cores never read the clock. Each runner's ticker publishes :class:`Tick` e
 input partitions, so ticks are part of the log and an offline replay makes the same decisions.
 
 Why not a faust agent: faust-streaming's ``exactly_once`` logs and swallows transaction errors
-(STACK-NOTES.md, faust #517/#177), its timers cannot be driven by a test, and an earlier faust
-engine lost events after a SIGKILL (README, "Design"). This loop is explicit aiokafka with the
-same table-plus-changelog recovery model.
+(STACK-NOTES.md, faust #517/#177), its timers cannot be driven by a test, and its table
+recovery can skip records fetched during the recovery after a SIGKILL (README, "Design").
+This loop is explicit aiokafka with the same table-plus-changelog recovery model.
 
 The runner is a façade over one module per concern; each is a mixin over the shared
 :class:`~.state.RunnerState`:
@@ -167,8 +179,9 @@ class Runner(RestoreMixin, TransactionsMixin, IdleCommitMixin, OrderedReleaseMix
 
     async def _ensure_output_topic(self, topic: str) -> None:
         """Create an output topic on its first use (a new task's replay topic). The broker
-        answered at start-up: a restart meanwhile is waited out (the soak of 2026-12-01 lost a
-        worker that gave up after connect_timeout_s during a 20 s restart)."""
+        answered at start-up, so a restart meanwhile is waited out (as topic set-up is) rather
+        than given up after ``connect_timeout_s``: a broker restart takes longer than that
+        (docs/decisions/0013-ride-out-broker-restarts.md)."""
         if topic in self._known_topics:
             return
         await ensure_topics(self.settings, known_broker=True, specs=[TopicSpec(
@@ -345,10 +358,10 @@ class Runner(RestoreMixin, TransactionsMixin, IdleCommitMixin, OrderedReleaseMix
     async def _start_clients(self, producer_args: dict[str, Any],
                              consumer_args: dict[str, Any]) -> None:
         """Start the transactional producer and the group consumer. The broker answered a
-        moment ago (check_broker); if it goes away while they start (a restart: the soak of
-        2026-12-01 lost a worker whose producer was looking up its transaction coordinator
-        when the broker stopped), they are built again and retried for up to
-        ``TOPIC_SETUP_PATIENCE_S``, as topic set-up is."""
+        moment ago (check_broker); if it goes away while they start (a restart, even while
+        the producer looks up its transaction coordinator), they are built again and retried
+        for up to ``TOPIC_SETUP_PATIENCE_S``, as topic set-up is
+        (docs/decisions/0013-ride-out-broker-restarts.md)."""
         async def start() -> tuple[AIOKafkaProducer, AIOKafkaConsumer]:
             producer = new_producer(self.settings.kafka, **producer_args)
             consumer = new_consumer(self.settings.kafka, **consumer_args)

@@ -2,9 +2,25 @@
 with and its input offsets go out in ONE Kafka transaction, which commits while the next batch
 is fetched and processed.
 
+For each batch (:meth:`TransactionsMixin._process`):
+
+1. prepare (:meth:`~TransactionsMixin._prepare`): each core handles its records in log order;
+   the outputs, the state each touched key ended the batch with (a snapshot: the next batch is
+   processed while this one commits) and the input offsets (last offset + 1 per partition)
+   are taken; new output topics are created;
+2. settle the previous batch's transaction: wait for it and raise if it failed, so nothing of
+   this batch is written after a failure. Told to stop meanwhile, the batch's transaction is
+   never begun;
+3. in a task (:meth:`~TransactionsMixin._commit`), one transaction
+   (:meth:`~TransactionsMixin._transact`): send the outputs, then the state records to the
+   changelog; wait until every one is acknowledged; then add the input offsets
+   (``send_offsets_to_transaction``); then commit;
+4. once committed, record the committed offsets and count the batch in the metrics.
+
 Guarantee: the outputs, state records and input offsets of a batch become visible together or
-not at all, and a failed transaction stops the worker before anything of the next batch is
-written.
+not at all (step 3's commit), and a failed transaction stops the worker before anything of the
+next batch is written (step 2). A transaction not committed is aborted by the broker, and its
+inputs are processed again from the last committed offsets.
 """
 
 from __future__ import annotations
@@ -206,11 +222,12 @@ class TransactionsMixin(RunnerState):
                 await asyncio.gather(*futures)
             # The offsets only once every record is acknowledged. A Kafka 4 broker verifies
             # a transactional produce and a TxnOffsetCommit with the transaction coordinator
-            # (KIP-890) and keeps one pending verification per transactional id: sent while a
-            # produce was in flight, the offsets' verification replaced the produce's, which
-            # came back NOT_ENOUGH_REPLICAS ("Unable to verify ... NETWORK_EXCEPTION") and was
-            # retried after aiokafka's 100 ms backoff (or the offsets' came back
-            # COORDINATOR_NOT_AVAILABLE). RELIABILITY.md, tests/test_runner_txn_retries.py.
+            # (KIP-890) and keeps one pending verification per transactional id: offsets sent
+            # while a produce is in flight replace the produce's verification, which comes
+            # back NOT_ENOUGH_REPLICAS ("Unable to verify ... NETWORK_EXCEPTION") and is
+            # retried after aiokafka's 100 ms backoff (or the offsets' comes back
+            # COORDINATOR_NOT_AVAILABLE). docs/decisions/0014-offsets-after-acks.md,
+            # tests/test_runner_txn_retries.py.
             await self._producer.send_offsets_to_transaction(offsets, self.group_id)
 
     def _log_stats(self) -> None:

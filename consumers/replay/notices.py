@@ -1,8 +1,9 @@
-"""What the trainer client says about waits that are not errors (issue 41, item 3).
+"""What the trainer client says about waits that are not errors.
 
-A trainer started with a task-name typo waited for ever with no word; one started with a
-group-id typo silently re-read everything; a trainer restarted after a crash stalled 9-10 s
-with no word. Each now says so, once (or rarely), at WARNING:
+A task-name typo would make a trainer wait for ever, a group-id typo would make it re-read
+everything, and a trainer restarted after a crash waits out its previous run's session: none
+of these is an error, so each is said once (or rarely), at WARNING
+(docs/decisions/0020-trainer-notices.md):
 
 * **a task without a replay topic** (:func:`watch_subscription`): after
   :data:`MISSING_TASK_WARN_AFTER_S` the named tasks that still have no replay topic are

@@ -1,9 +1,10 @@
 """A trainer's log during a broker outage: one line per state change, a summary every N s.
 
-An idle trainer wrote 1,001 aiokafka log lines in a 30 s outage (issue 41): every failed
-connection, metadata refresh and heartbeat, at WARNING or ERROR, through the trainer's own
-logging (a library cannot count on the CLI's ``limit_client_log``). While a trainer client
-runs, the Kafka client's messages now go through :class:`OutageLog`:
+Without it an idle trainer writes about 30 aiokafka log lines a second of outage
+(docs/decisions/0011-summarised-client-logs.md): every failed connection, metadata refresh and
+heartbeat, at WARNING or ERROR, through the trainer's own logging (a library cannot count on
+the CLI's ``limit_client_log``). While a trainer client runs, the Kafka client's messages go
+through :class:`OutageLog`:
 
 * connected, the first WARNING/ERROR of the Kafka client turns the state to *failing*: one
   line says so, quoting that message;

@@ -1,5 +1,5 @@
 """The scheduler's pure core: sandbox lifecycle, leases, drain-before-recycle, placement and
-tenant credit (issue 6). The Kafka shell around it feeds decoded Avro dicts to
+tenant credit. The Kafka shell around it feeds decoded Avro dicts to
 :meth:`SchedulerCore.handle` and publishes what comes back.
 
 Guarantees

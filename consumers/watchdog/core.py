@@ -28,11 +28,12 @@ Time -- what judges what
     restart (a restored stream keeps its log time; a log's clock is rebuilt from its next
     record, and any timer due by the committed records had fired before the commit), nor on
     a sandbox's clock. The runner's wall-clock ticks judge nothing: read from their own topic,
-    one landed between an episode's segments after a restart (the tick topic read ahead of the
-    replay backlog), or at every tick for a sandbox whose clock lagged the broker by more than
-    the idle timeout, and evicted the stream as idle -- the loop count started over and the
-    planted loop was missed, while `replay explain` and `watchdog explain --from-log` found it
-    (RELIABILITY.md, finding AF; tests/test_watchdog_log_time.py).
+    a tick can land between an episode's segments after a restart (the tick topic read ahead
+    of the replay backlog), or at every tick for a sandbox whose clock lags the broker by more
+    than the idle timeout; judged by ticks, the stream would be evicted as idle and its loop
+    count start over, so a loop that `replay explain` and `watchdog explain --from-log` find
+    would be missed (docs/decisions/0018-watchdog-timers-on-log-time.md;
+    tests/test_watchdog_log_time.py).
 
     What log time cannot hide: an outage of the pipeline appears in the log as a gap of its
     length, so a stream silent for a threshold minus the outage may be judged differently
