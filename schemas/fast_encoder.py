@@ -158,33 +158,32 @@ def _compile(t: Any, named: dict[str, _Enc | None]) -> _Enc:
         named[t["name"]] = write_enum
         return write_enum
     if kind == "array":
-        item = _compile(t["items"], named)
-
-        def write_array(buf: bytearray, v: Any) -> None:
-            if type(v) is not list:
-                raise Fallback
-            if v:
-                _write_long(buf, len(v))
-                for x in v:
-                    item(buf, x)
-            buf += b"\x00"
-
-        return write_array
+        return _block_writer(list, _compile(t["items"], named))
     if kind == "map":
-        value = _compile(t["values"], named)
+        return _block_writer(dict, _compile(t["values"], named))
+    raise Unsupported(str(kind))
 
-        def write_map(buf: bytearray, v: Any) -> None:
-            if type(v) is not dict:
-                raise Fallback
-            if v:
-                _write_long(buf, len(v))
+
+def _block_writer(container: Any, write: _Enc) -> _Enc:
+    """The writer of an array (``container`` list: each item with ``write``) or a map (dict:
+    each string key, then its value with ``write``): one block of them, then the empty block."""
+    keyed = container is dict
+
+    def write_blocks(buf: bytearray, v: Any) -> None:
+        if type(v) is not container:
+            raise Fallback
+        if v:
+            _write_long(buf, len(v))
+            if keyed:
                 for k, x in v.items():
                     _write_string(buf, k)
-                    value(buf, x)
-            buf += b"\x00"
+                    write(buf, x)
+            else:
+                for x in v:
+                    write(buf, x)
+        buf += b"\x00"
 
-        return write_map
-    raise Unsupported(str(kind))
+    return write_blocks
 
 
 def _compile_union(branches: list[Any], named: dict[str, _Enc | None]) -> _Enc:
