@@ -54,7 +54,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, overload
 
 from trajbus.infra.broker_config import (
     check_scram_options,
@@ -142,6 +142,23 @@ class BrokerStatus:
         }
 
 
+class _InDataDir:
+    """A path in a broker's data directory, as a read-only attribute of :class:`LocalBroker`."""
+
+    def __init__(self, *parts: str) -> None:
+        self.parts = parts
+
+    @overload
+    def __get__(self, broker: None, owner: type[Any]) -> _InDataDir: ...
+    @overload
+    def __get__(self, broker: LocalBroker, owner: type[Any]) -> Path: ...
+    def __get__(self, broker: LocalBroker | None, owner: type[Any]) -> Path | _InDataDir:
+        return self if broker is None else broker.data_dir.joinpath(*self.parts)
+
+    def __set__(self, broker: LocalBroker, value: object) -> None:
+        raise AttributeError("a broker's paths follow its data_dir")
+
+
 class LocalBroker:
     """One single-node KRaft broker (combined broker+controller) in a data directory.
 
@@ -221,34 +238,13 @@ class LocalBroker:
             raise ValueError("this broker has no SASL listener (sasl_port=None)")
         return f"{self.host}:{self.sasl_port}"
 
-    @property
-    def meta_file(self) -> Path:
-        return self.data_dir / "broker.json"
-
-    @property
-    def properties_file(self) -> Path:
-        return self.data_dir / "server.properties"
-
-    @property
-    def pid_file(self) -> Path:
-        return self.data_dir / "broker.pid"
-
-    @property
-    def stdout_file(self) -> Path:
-        return self.data_dir / "broker.out"
-
-    @property
-    def logs_dir(self) -> Path:
-        return self.data_dir / "logs"
-
-    @property
-    def log_file(self) -> Path:
-        """Kafka's own log (server.log)."""
-        return self.logs_dir / "server.log"
-
-    @property
-    def kraft_dir(self) -> Path:
-        return self.data_dir / "kraft-logs"
+    meta_file = _InDataDir("broker.json")
+    properties_file = _InDataDir("server.properties")
+    pid_file = _InDataDir("broker.pid")
+    stdout_file = _InDataDir("broker.out")
+    logs_dir = _InDataDir("logs")
+    log_file = _InDataDir("logs", "server.log")  # Kafka's own log
+    kraft_dir = _InDataDir("kraft-logs")
 
     def _read_meta(self) -> dict[str, Any]:
         try:
