@@ -34,329 +34,90 @@ Environment: ``TRAJBUS_KAFKA_PORT`` and ``TRAJBUS_KAFKA_DATA_DIR`` override the 
 (9092) and data directory (``.trajbus/kafka`` under the current directory);
 ``TRAJBUS_KAFKA_LIB_DIR`` points at an existing directory of Kafka jars (for example the
 ``libs/`` folder of a Kafka 4.x binary distribution) instead of fetching them.
+
+This module is the launcher (:class:`LocalBroker`) and the façade of what it is built from:
+the Kafka jars and Java (:mod:`~trajbus.infra.kafka_runtime`), a node's configuration
+(:mod:`~trajbus.infra.broker_config`), ports (:mod:`~trajbus.infra.ports`), the readiness probe
+(:mod:`~trajbus.infra.kafka_probe`) and process checks (:mod:`~trajbus.infra.processes`), whose
+public names import from here too.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import hashlib
 import json
 import os
-import random
-import re
-import shutil
 import signal
-import socket
-import struct
 import subprocess
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, overload
 
-from trajbus.infra.maven import JarSet, fetch_jars
+from trajbus.infra.broker_config import (
+    check_scram_options,
+    new_cluster_id,
+    scram_format_args,
+    server_properties,
+)
+from trajbus.infra.kafka_probe import probe_broker
+from trajbus.infra.kafka_runtime import (
+    DEFAULT_LIB_DIR,
+    KAFKA_DIR,
+    LOG4J_CONFIG,
+    MIN_JAVA,
+    POM_PATH,
+    KafkaSetupError,
+    ensure_jars,
+    java_command,
+    kafka_version,
+    require_java,
+)
+from trajbus.infra.ports import DEFAULT_HOST, ephemeral_ports, free_port, port_free
+from trajbus.infra.processes import file_tail, pid_alive, pid_cmdline
 
 __all__ = [
+    "DEFAULT_DATA_DIR",
+    "DEFAULT_HOST",
+    "DEFAULT_LIB_DIR",
     "DEFAULT_MESSAGE_MAX_BYTES",
     "DEFAULT_PORT",
     "KAFKA_DIR",
+    "LOG4J_CONFIG",
+    "MIN_JAVA",
+    "POM_PATH",
     "BrokerError",
     "BrokerStatus",
     "KafkaSetupError",
     "LocalBroker",
     "ensure_jars",
+    "ephemeral_ports",
     "free_port",
     "kafka_version",
     "probe_broker",
 ]
 
-KAFKA_DIR = Path(__file__).resolve().parent / "kafka"
-POM_PATH = KAFKA_DIR / "pom.xml"
-LOG4J_CONFIG = KAFKA_DIR / "log4j2.yaml"
-DEFAULT_LIB_DIR = KAFKA_DIR / "lib"
+# private names some callers import from here
+_require_java = require_java
+_pid_alive = pid_alive
+_port_free = port_free
+_new_cluster_id = new_cluster_id
 
 DEFAULT_PORT = 9092
-DEFAULT_HOST = "127.0.0.1"
 DEFAULT_DATA_DIR = Path(".trajbus") / "kafka"
 #: Largest record batch the broker accepts (10 MiB; Kafka's default is ~1 MiB). Trajectory
 #: events carrying long token lists or observations can be large; producers must raise
 #: ``max_request_size`` to match (and consumers ``max_partition_fetch_bytes``).
 DEFAULT_MESSAGE_MAX_BYTES = 10 * 1024 * 1024
-MIN_JAVA = 17
 
 _BROKER_MAIN = "kafka.Kafka"
 _STORAGE_MAIN = "kafka.tools.StorageTool"
 
 
-class KafkaSetupError(RuntimeError):
-    """Java, Maven or the Kafka jars are missing or unusable."""
-
-
 class BrokerError(RuntimeError):
     """The broker failed to start or stop, or its port is taken."""
-
-
-# --------------------------------------------------------------------------------------------
-# jars
-
-
-def kafka_version(pom: Path = POM_PATH) -> str:
-    """The Kafka version pinned in ``infra/kafka/pom.xml``."""
-    return _kafka_jars(pom).version()
-
-
-def _kafka_jars(pom: Path = POM_PATH) -> JarSet:
-    return JarSet(pom, "kafka.version", "kafka_2.13-*.jar", "Kafka {version} jars", KafkaSetupError)
-
-
-def _require_tool(name: str, what: str) -> str:
-    exe = shutil.which(name)
-    if exe is None:
-        raise KafkaSetupError(
-            f"`{name}` not found on PATH: {what}. Install a JDK 17+ and Apache Maven 3.6+ "
-            "(Debian/Ubuntu: `apt-get install openjdk-17-jdk-headless maven`; macOS: "
-            "`brew install openjdk@17 maven`), or set TRAJBUS_KAFKA_LIB_DIR to a directory of "
-            "Kafka 4.x jars (e.g. the libs/ folder of a Kafka binary distribution)."
-        )
-    return exe
-
-
-_java_major_cache: dict[str, int] = {}
-
-
-def _java_major(java: str) -> int:
-    if java not in _java_major_cache:
-        out = subprocess.run(
-            [java, "-version"], capture_output=True, text=True, check=False, timeout=60
-        )
-        match = re.search(r'version "(\d+)(?:\.(\d+))?', out.stderr + out.stdout)
-        major = 0
-        if match:
-            major = int(match.group(1))
-            if major == 1 and match.group(2):  # "1.8.0_x" style
-                major = int(match.group(2))
-        _java_major_cache[java] = major
-    return _java_major_cache[java]
-
-
-def _require_java() -> str:
-    java = _require_tool("java", "Java 17+ runs the Kafka broker")
-    major = _java_major(java)
-    if 0 < major < MIN_JAVA:
-        raise KafkaSetupError(
-            f"{java} is Java {major}; Kafka 4.x needs Java {MIN_JAVA}+ "
-            "(put a newer JDK first on PATH)."
-        )
-    return java
-
-
-def ensure_jars(lib_dir: Path | None = None, *, force: bool = False, quiet: bool = False) -> Path:
-    """Return a directory holding the Kafka runtime jars, fetching them if needed.
-
-    With ``TRAJBUS_KAFKA_LIB_DIR`` set (and no ``lib_dir`` argument) that directory is used
-    as is. Otherwise the jars live in ``infra/kafka/lib/``; they are (re)fetched with
-    ``mvn -f infra/kafka/pom.xml`` when missing, when the pom changed since the last fetch
-    (a stamp file records the Kafka version and the pom's hash), or when ``force`` is set.
-    Maven caches downloads in ``~/.m2``. Concurrent callers serialize on a file lock.
-    """
-    if lib_dir is None:
-        env_dir = os.environ.get("TRAJBUS_KAFKA_LIB_DIR")
-        if env_dir:
-            path = Path(env_dir).expanduser().resolve()
-            if not any(path.glob("kafka_2.13-*.jar")):
-                raise KafkaSetupError(f"TRAJBUS_KAFKA_LIB_DIR={env_dir} holds no kafka_2.13-*.jar")
-            return path
-        lib_dir = DEFAULT_LIB_DIR
-
-    def mvn() -> str:
-        exe = _require_tool("mvn", "Maven fetches the Kafka jars from Maven Central")
-        _require_java()
-        return exe
-
-    return fetch_jars(_kafka_jars(), Path(lib_dir), mvn=mvn, force=force, quiet=quiet)
-
-
-# --------------------------------------------------------------------------------------------
-# small helpers
-
-
-_HANDED_OUT: set[int] = set()
-_LOW_PORT = 10_000  # below it: well-known services' ports
-
-
-def ephemeral_ports() -> tuple[int, int]:
-    """The kernel's range of local ports for outgoing connections (Linux; else IANA's)."""
-    try:
-        lo, hi = (int(x) for x in
-                  Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):
-        return 49152, 65535
-    return lo, hi
-
-
-def free_port(host: str = DEFAULT_HOST) -> int:
-    """A TCP port that is free right now on ``host`` (for tests; racy by nature), never one
-    this process was given before, and below the kernel's ephemeral range: the port of a node
-    that is stopped and started again must stay free meanwhile, and in the ephemeral range any
-    outgoing connection of any process may take it as its local port (a 3-node cluster of the
-    drill could not bind its listener: "Address already in use")."""
-    lo, _ = ephemeral_ports()
-    if lo - 1 > _LOW_PORT + 1000:
-        rng = random.SystemRandom()
-        for _ in range(500):
-            port = rng.randint(_LOW_PORT, lo - 1)
-            if port not in _HANDED_OUT and _port_free(host, port):
-                _HANDED_OUT.add(port)
-                return port
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-    raise OSError("no free port that was not handed out already")
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # Kafka binds with SO_REUSEADDR too, so TIME_WAIT leftovers do not count as "in use".
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
-def _new_cluster_id() -> str:
-    """A random Kafka cluster id (base64url of 16 random bytes, as Uuid.randomUuid())."""
-    while True:
-        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
-        if not cid.startswith("-"):
-            return cid
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - 64 * 1024))
-            text = fh.read().decode("utf-8", errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:]) or "(empty)"
-
-
-def _pid_alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no /proc (macOS): trust kill(0)
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
-
-
-def _pid_cmdline(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return None
-
-
-_SCRAM_HASHES = {"SCRAM-SHA-256": "sha256", "SCRAM-SHA-512": "sha512"}
-_SCRAM_NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
-_SCRAM_ITERATIONS = 8192
-
-
-def _scram_credential(mechanism: str, name: str, password: str) -> str:
-    """``kafka-storage format --add-scram`` argument with a salted password (RFC 5802
-    ``Hi(password, salt, i)``), so the password itself never appears in a command line."""
-    salt = os.urandom(16)
-    salted = hashlib.pbkdf2_hmac(
-        _SCRAM_HASHES[mechanism], password.encode(), salt, _SCRAM_ITERATIONS
-    )
-    b64 = base64.b64encode
-    return (
-        f"{mechanism}=[name={name},iterations={_SCRAM_ITERATIONS},"
-        f'salt="{b64(salt).decode()}",saltedpassword="{b64(salted).decode()}"]'
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Kafka protocol probe (ApiVersions, then Metadata to see the broker registered and unfenced)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("connection closed by broker")
-        buf += chunk
-    return bytes(buf)
-
-
-def _request(sock: socket.socket, api_key: int, version: int, corr: int, body: bytes) -> bytes:
-    client_id = b"trajbus-probe"
-    header = struct.pack(">hhih", api_key, version, corr, len(client_id)) + client_id
-    payload = header + body
-    sock.sendall(struct.pack(">i", len(payload)) + payload)
-    (size,) = struct.unpack(">i", _recv_exact(sock, 4))
-    resp = _recv_exact(sock, size)
-    (resp_corr,) = struct.unpack(">i", resp[:4])
-    if resp_corr != corr:
-        raise ConnectionError("correlation id mismatch")
-    return resp[4:]
-
-
-def probe_broker(host: str, port: int, timeout: float = 2.0) -> int | None:
-    """Ask the broker at host:port for its live brokers using the Kafka wire protocol.
-
-    Returns the number of unfenced brokers in its Metadata response (0 while it is still
-    registering), or None if nothing answers the Kafka protocol there.
-    """
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
-            sock.settimeout(timeout)
-            # ApiVersions v0: supported by every broker, tells us the Metadata version range.
-            resp = _request(sock, api_key=18, version=0, corr=1, body=b"")
-            (error,) = struct.unpack(">h", resp[:2])
-            if error != 0:
-                return None
-            (count,) = struct.unpack(">i", resp[2:6])
-            md_range: tuple[int, int] | None = None
-            for i in range(count):
-                key, lo, hi = struct.unpack(">hhh", resp[6 + 6 * i : 12 + 6 * i])
-                if key == 3:
-                    md_range = (lo, hi)
-            # Metadata v4..v8 share a non-flexible layout: throttle_time_ms, then brokers.
-            usable = [v for v in range(4, 9) if md_range and md_range[0] <= v <= md_range[1]]
-            if not usable:
-                return 1  # the broker answers; we cannot count brokers on this version
-            version = max(usable)
-            body = struct.pack(">i", -1) + b"\x00"  # all topics, no auto-creation
-            if version >= 8:
-                body += b"\x00\x00"  # include_cluster/topic_authorized_operations = false
-            resp = _request(sock, api_key=3, version=version, corr=2, body=body)
-            (brokers,) = struct.unpack(">i", resp[4:8])
-            return brokers
-    except (OSError, ConnectionError, struct.error):
-        return None
-
-
-# --------------------------------------------------------------------------------------------
-# the broker
 
 
 @dataclass(frozen=True)
@@ -379,6 +140,23 @@ class BrokerStatus:
             "data_dir": str(self.data_dir),
             "log_file": str(self.log_file),
         }
+
+
+class _InDataDir:
+    """A path in a broker's data directory, as a read-only attribute of :class:`LocalBroker`."""
+
+    def __init__(self, *parts: str) -> None:
+        self.parts = parts
+
+    @overload
+    def __get__(self, broker: None, owner: type[Any]) -> _InDataDir: ...
+    @overload
+    def __get__(self, broker: LocalBroker, owner: type[Any]) -> Path: ...
+    def __get__(self, broker: LocalBroker | None, owner: type[Any]) -> Path | _InDataDir:
+        return self if broker is None else broker.data_dir.joinpath(*self.parts)
+
+    def __set__(self, broker: LocalBroker, value: object) -> None:
+        raise AttributeError("a broker's paths follow its data_dir")
 
 
 class LocalBroker:
@@ -425,13 +203,7 @@ class LocalBroker:
         self.extra_properties = dict(extra_properties or {})
         self._lib_dir = lib_dir
         self._proc: subprocess.Popen[bytes] | None = None
-        if not scram_mechanisms or not set(scram_mechanisms) <= set(_SCRAM_HASHES):
-            raise ValueError(f"scram_mechanisms: some of {sorted(_SCRAM_HASHES)}")
-        if scram_users and sasl_port is None:
-            raise ValueError("scram_users need a sasl_port (the SASL_PLAINTEXT listener)")
-        for name in scram_users or {}:
-            if not _SCRAM_NAME_RE.fullmatch(name):
-                raise ValueError(f"SCRAM user name {name!r}: use letters, digits, '.', '_', '-'")
+        check_scram_options(sasl_port, scram_users or {}, tuple(scram_mechanisms))
         self.sasl_port = sasl_port
         self.scram_mechanisms = tuple(scram_mechanisms)
         self._scram_users = dict(scram_users or {})  # never logged nor shown in repr
@@ -466,34 +238,13 @@ class LocalBroker:
             raise ValueError("this broker has no SASL listener (sasl_port=None)")
         return f"{self.host}:{self.sasl_port}"
 
-    @property
-    def meta_file(self) -> Path:
-        return self.data_dir / "broker.json"
-
-    @property
-    def properties_file(self) -> Path:
-        return self.data_dir / "server.properties"
-
-    @property
-    def pid_file(self) -> Path:
-        return self.data_dir / "broker.pid"
-
-    @property
-    def stdout_file(self) -> Path:
-        return self.data_dir / "broker.out"
-
-    @property
-    def logs_dir(self) -> Path:
-        return self.data_dir / "logs"
-
-    @property
-    def log_file(self) -> Path:
-        """Kafka's own log (server.log)."""
-        return self.logs_dir / "server.log"
-
-    @property
-    def kraft_dir(self) -> Path:
-        return self.data_dir / "kraft-logs"
+    meta_file = _InDataDir("broker.json")
+    properties_file = _InDataDir("server.properties")
+    pid_file = _InDataDir("broker.pid")
+    stdout_file = _InDataDir("broker.out")
+    logs_dir = _InDataDir("logs")
+    log_file = _InDataDir("logs", "server.log")  # Kafka's own log
+    kraft_dir = _InDataDir("kraft-logs")
 
     def _read_meta(self) -> dict[str, Any]:
         try:
@@ -511,9 +262,9 @@ class LocalBroker:
             pid = int(self.pid_file.read_text().strip())
         except (OSError, ValueError):
             return None
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             return None
-        cmdline = _pid_cmdline(pid)
+        cmdline = pid_cmdline(pid)
         if cmdline is not None and (
             _BROKER_MAIN not in cmdline or str(self.properties_file) not in cmdline
         ):
@@ -537,65 +288,13 @@ class LocalBroker:
 
     # start ----------------------------------------------------------------------------------
     def server_properties(self) -> dict[str, str]:
-        mmb = str(self.message_max_bytes)
-        rf = str(self.replication)
-        # a write is acknowledged once on all replicas in sync, at least RF-1 of them: one
-        # node may be down (or restarting) and writes go on; two down and they stop
-        min_isr = str(max(1, self.replication - 1))
-        props = {
-            "process.roles": "broker,controller",
-            "node.id": str(self.node_id),
-            "controller.quorum.bootstrap.servers": f"{self.host}:{self.controller_port}",
-            "listeners": (
-                f"PLAINTEXT://{self.host}:{self.port},CONTROLLER://{self.host}:{self.controller_port}"
-            ),
-            "advertised.listeners": f"PLAINTEXT://{self.host}:{self.port}",
-            "inter.broker.listener.name": "PLAINTEXT",
-            "controller.listener.names": "CONTROLLER",
-            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
-            "log.dirs": str(self.kraft_dir),
-            "num.partitions": "1",
-            "default.replication.factor": rf,
-            "min.insync.replicas": min_isr,
-            "unclean.leader.election.enable": "false",
-            "auto.create.topics.enable": "false",
-            # Internal topics: as replicated as the data, and fewer partitions than the
-            # defaults (50) so the first consumer group / transaction on a fresh broker is quick.
-            "offsets.topic.replication.factor": rf,
-            "offsets.topic.num.partitions": "8",
-            "transaction.state.log.replication.factor": rf,
-            "transaction.state.log.min.isr": min_isr,
-            "transaction.state.log.num.partitions": "8",
-            "share.coordinator.state.topic.replication.factor": rf,
-            "share.coordinator.state.topic.min.isr": min_isr,
-            "group.initial.rebalance.delay.ms": "0",
-            # After a SIGKILL the restarted broker must wait for its old registration to
-            # expire; a shorter session (default 9 s) makes crash-restart tests faster.
-            "broker.heartbeat.interval.ms": "1000",
-            "broker.session.timeout.ms": "4000",
-            # Large trajectory events: see DEFAULT_MESSAGE_MAX_BYTES.
-            "message.max.bytes": mmb,
-            "replica.fetch.max.bytes": mmb,
-            # Keep the compaction buffer (changelog topics) small for a 512 MiB heap.
-            "log.cleaner.dedupe.buffer.size": str(32 * 1024 * 1024),
-            "num.network.threads": "2",
-            "num.io.threads": "4",
-        }
-        if self.quorum_voters is not None:
-            del props["controller.quorum.bootstrap.servers"]
-            props["controller.quorum.voters"] = self.quorum_voters
-        if self.sasl_port is not None:
-            listener = f"SASL_PLAINTEXT://{self.host}:{self.sasl_port}"
-            props["listeners"] += f",{listener}"
-            props["advertised.listeners"] += f",{listener}"
-            props["listener.security.protocol.map"] += ",SASL_PLAINTEXT:SASL_PLAINTEXT"
-            props["sasl.enabled.mechanisms"] = ",".join(self.scram_mechanisms)
-            for mech in self.scram_mechanisms:
-                props[f"listener.name.sasl_plaintext.{mech.lower()}.sasl.jaas.config"] = (
-                    "org.apache.kafka.common.security.scram.ScramLoginModule required;"
-                )
-        props.update(self.extra_properties)
-        return props
+        """This node's ``server.properties`` (rewritten at every start)."""
+        return server_properties(
+            host=self.host, port=self.port, controller_port=self.controller_port,
+            node_id=self.node_id, log_dirs=self.kraft_dir, replication=self.replication,
+            message_max_bytes=self.message_max_bytes, quorum_voters=self.quorum_voters,
+            sasl_port=self.sasl_port, scram_mechanisms=self.scram_mechanisms,
+            extra=self.extra_properties)
 
     def _write_properties(self) -> None:
         lines = [f"# written by trajbus.infra.broker.LocalBroker at {time.ctime()}"]
@@ -603,21 +302,7 @@ class LocalBroker:
         self.properties_file.write_text("\n".join(lines) + "\n")
 
     def _java_cmd(self, lib_dir: Path, main: str, *args: str) -> list[str]:
-        return [
-            _require_java(),
-            f"-Xmx{self.heap}",
-            "-Xms128m",
-            "-XX:+UseG1GC",
-            "-XX:MaxGCPauseMillis=20",
-            "-XX:+ExitOnOutOfMemoryError",
-            "-Djava.awt.headless=true",
-            f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
-            f"-Dkafka.logs.dir={self.logs_dir}",
-            "-cp",
-            f"{lib_dir}/*",
-            main,
-            *args,
-        ]
+        return java_command(lib_dir, main, *args, heap=self.heap, logs_dir=self.logs_dir)
 
     def _formatted(self) -> bool:
         return (self.kraft_dir / "meta.properties").exists()
@@ -633,9 +318,7 @@ class LocalBroker:
             "-c",
             str(self.properties_file),
         )
-        for name, password in self._scram_users.items():
-            for mech in self.scram_mechanisms:
-                cmd += ["--add-scram", _scram_credential(mech, name, password)]
+        cmd += scram_format_args(self._scram_users, self.scram_mechanisms)
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
         if proc.returncode != 0 or not self._formatted():
             raise BrokerError(
@@ -669,7 +352,7 @@ class LocalBroker:
         if self.sasl_port is not None:
             ports.append(("SASL port", self.sasl_port))
         for what, port in ports:
-            if not _port_free(self.host, port):
+            if not port_free(self.host, port):
                 raise BrokerError(
                     f"{what} {self.host}:{port} is already in use by another process "
                     f"(not the broker of {self.data_dir}); pick another with --port / "
@@ -681,7 +364,7 @@ class LocalBroker:
         self.logs_dir.mkdir(exist_ok=True)
 
         meta = self._read_meta()
-        cluster_id = str(meta.get("cluster_id") or self._cluster_id or _new_cluster_id())
+        cluster_id = str(meta.get("cluster_id") or self._cluster_id or new_cluster_id())
         self._write_properties()
         if not self._formatted():
             self._format(lib_dir, cluster_id)
@@ -728,12 +411,12 @@ class LocalBroker:
     def _alive(self, pid: int) -> bool:
         if self._proc is not None and self._proc.pid == pid:
             return self._proc.poll() is None
-        return _pid_alive(pid)
+        return pid_alive(pid)
 
     def _failure(self, what: str) -> str:
         parts = [f"Kafka broker at {self.bootstrap} ({self.data_dir}) {what}."]
-        parts.append(f"--- last lines of {self.log_file} ---\n{_tail(self.log_file)}")
-        parts.append(f"--- last lines of {self.stdout_file} ---\n{_tail(self.stdout_file)}")
+        parts.append(f"--- last lines of {self.log_file} ---\n{file_tail(self.log_file)}")
+        parts.append(f"--- last lines of {self.stdout_file} ---\n{file_tail(self.stdout_file)}")
         return "\n".join(parts)
 
     # stop -----------------------------------------------------------------------------------
@@ -747,7 +430,7 @@ class LocalBroker:
                     return True
                 except subprocess.TimeoutExpired:
                     pass
-            elif not _pid_alive(pid):
+            elif not pid_alive(pid):
                 return True
             else:
                 time.sleep(0.1)

@@ -17,16 +17,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from trajbus.infra.broker import (
-    DEFAULT_DATA_DIR,
-    DEFAULT_PORT,
-    BrokerError,
-    KafkaSetupError,
-    LocalBroker,
-    ensure_jars,
-    kafka_version,
-)
+from trajbus.infra.broker import DEFAULT_DATA_DIR, DEFAULT_PORT, BrokerError, LocalBroker
 from trajbus.infra.cluster import DEFAULT_CLUSTER_BASE_PORT, DEFAULT_CLUSTER_DATA_DIR, LocalCluster
+from trajbus.infra.kafka_runtime import KafkaSetupError, ensure_jars, kafka_version
 
 _ENV_HELP = (
     "Environment: TRAJBUS_KAFKA_PORT and TRAJBUS_KAFKA_DATA_DIR override the default port "

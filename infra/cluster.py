@@ -36,16 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trajbus.infra.broker import (
-    DEFAULT_HOST,
-    BrokerError,
-    BrokerStatus,
-    LocalBroker,
-    _new_cluster_id,
-    _port_free,
-    free_port,
-    probe_broker,
-)
+from trajbus.infra.broker import BrokerError, BrokerStatus, LocalBroker
+from trajbus.infra.broker_config import new_cluster_id
+from trajbus.infra.kafka_probe import probe_broker
+from trajbus.infra.ports import DEFAULT_HOST, free_port, port_free
 
 __all__ = ["DEFAULT_CLUSTER_DATA_DIR", "ClusterStatus", "LocalCluster"]
 
@@ -105,7 +99,7 @@ class LocalCluster:
             base = base_port or int(os.environ.get("TRAJBUS_KAFKA_PORT") or
                                     DEFAULT_CLUSTER_BASE_PORT)
             ports = [(base + 2 * i, base + 2 * i + 1) for i in range(nodes)]
-        self.cluster_id = str(meta.get("cluster_id") or _new_cluster_id())
+        self.cluster_id = str(meta.get("cluster_id") or new_cluster_id())
         voters = ",".join(f"{i + 1}@{host}:{c}" for i, (_, c) in enumerate(ports))
         self.replication = min(nodes, 3)
         self._ports = ports
@@ -160,7 +154,7 @@ class LocalCluster:
             if b.is_running():
                 continue
             for port in (b.port, b.controller_port):
-                if not _port_free(self.host, port):
+                if not port_free(self.host, port):
                     raise BrokerError(
                         f"port {self.host}:{port} (node {b.node_id}) is already in use by "
                         "another process; pick other ports with --port / TRAJBUS_KAFKA_PORT, "

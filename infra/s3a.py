@@ -23,7 +23,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from trajbus.infra.broker import KafkaSetupError, _require_java
+from trajbus.infra.kafka_runtime import KafkaSetupError, require_java
 from trajbus.infra.maven import JarSet, fetch_jars
 
 __all__ = ["POM_PATH", "S3A_LIB_DIR", "S3ASetupError", "ensure_s3a_jars", "hadoop_version",
@@ -67,7 +67,7 @@ def ensure_s3a_jars(lib_dir: Path | None = None, *, force: bool = False,
                 "s3a:// from Maven Central (Debian/Ubuntu: `apt-get install maven`), or give "
                 "Spark (spark.jars) the jars infra/spark/pom.xml names, fetched elsewhere.")
         try:
-            _require_java()
+            require_java()
         except KafkaSetupError as exc:
             raise S3ASetupError(str(exc)) from exc
         return exe

@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from trajbus.infra.broker import ephemeral_ports
+from trajbus.infra.ports import ephemeral_ports
 
 NOISE = ("Traceback (most recent call last)", "Task exception was never retrieved",
          "Exception ignored in")

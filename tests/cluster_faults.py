@@ -33,8 +33,8 @@ from trajbus.bus.closing import close_client
 from trajbus.bus.kafka import connection_options
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
-from trajbus.infra.broker import _require_java, ensure_jars
 from trajbus.infra.cluster import LocalCluster
+from trajbus.infra.kafka_runtime import ensure_jars, require_java
 
 DOWN_S = 10.0
 TWO_DOWN_S = 15.0
@@ -78,7 +78,7 @@ async def coordinator(settings: Settings, key: str, coordinator_type: int) -> in
 def active_controller(cluster: LocalCluster) -> int:
     """The KRaft quorum's leader, from Kafka's own MetadataQuorumCommand."""
     out = subprocess.run(
-        [_require_java(), "-cp", f"{ensure_jars()}/*",
+        [require_java(), "-cp", f"{ensure_jars()}/*",
          "org.apache.kafka.tools.MetadataQuorumCommand", "--bootstrap-server",
          cluster.bootstrap, "describe", "--status"],
         capture_output=True, text=True, timeout=60, check=False)

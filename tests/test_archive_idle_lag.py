@@ -29,7 +29,7 @@ from trajbus.bus.admin import ensure_topics
 from trajbus.bus.settings import ArchiveSettings, KafkaSettings, Settings
 from trajbus.bus.topics import TopicSpec
 from trajbus.consumers.engine.runner import TICK_KEY
-from trajbus.infra.broker import _require_java, ensure_jars
+from trajbus.infra.kafka_runtime import ensure_jars, require_java
 from trajbus.schemas.models import Envelope, Tick
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]
@@ -62,7 +62,7 @@ async def _produce(bootstrap: str, topic: str, values: list[tuple[bytes, bytes, 
 def kafka_consumer_groups_lag(bootstrap: str, group: str) -> dict[tuple[str, int], int]:
     """LAG per (topic, partition) from Kafka's own tool (the one lag exporters mirror)."""
     out = subprocess.run(
-        [_require_java(), "-cp", f"{ensure_jars()}/*",
+        [require_java(), "-cp", f"{ensure_jars()}/*",
          "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand",
          "--bootstrap-server", bootstrap, "--describe", "--group", group],
         capture_output=True, text=True, timeout=90, check=False)

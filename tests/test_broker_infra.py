@@ -23,6 +23,7 @@ from trajbus.infra.broker import (
     probe_broker,
 )
 from trajbus.infra.cli import register
+from trajbus.infra.processes import pid_alive
 
 
 def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
@@ -184,7 +185,7 @@ async def test_kill_and_restart_keeps_data(kafka_broker, unique_name: str) -> No
 
     await asyncio.to_thread(local.kill)
     assert not local.is_running()
-    assert not broker_mod._pid_alive(pid)
+    assert not pid_alive(pid)
 
     await asyncio.to_thread(local.start, 90.0)
     assert local.is_running() and local.pid() != pid
@@ -208,7 +209,7 @@ def test_stop_is_clean(tmp_path: Path) -> None:
         b.stop(timeout=30)
     assert not b.pid_file.exists()
     assert not b.is_running()
-    wait_until(lambda: not broker_mod._pid_alive(pid), 10, "the broker process to exit")
+    wait_until(lambda: not pid_alive(pid), 10, "the broker process to exit")
     wait_until(lambda: probe_broker("127.0.0.1", b.port, 0.5) is None, 10, "the port to close")
     b.stop()  # stopping a stopped broker is a no-op
 
@@ -216,7 +217,7 @@ def test_stop_is_clean(tmp_path: Path) -> None:
 def test_free_ports_are_distinct_and_outside_the_ephemeral_range() -> None:
     # a node stopped and started again needs its port free meanwhile: in the ephemeral range
     # any outgoing connection may take it as its local port
-    from trajbus.infra.broker import ephemeral_ports
+    from trajbus.infra.ports import ephemeral_ports
 
     lo, hi = ephemeral_ports()
     ports = [free_port() for _ in range(50)]

@@ -186,6 +186,7 @@ def test_local_broker_sasl_listener_properties_and_no_password_in_the_format_com
     import subprocess
 
     from trajbus.infra import broker as broker_mod
+    from trajbus.infra import kafka_runtime
 
     b = LocalBroker(data_dir=tmp_path, port=19001, controller_port=19002, sasl_port=19003,
                     scram_users={USER: PASSWORD})
@@ -206,7 +207,7 @@ def test_local_broker_sasl_listener_properties_and_no_password_in_the_format_com
         return subprocess.CompletedProcess(cmd, 1, "", "not really formatting")
 
     monkeypatch.setattr(broker_mod.subprocess, "run", fake_run)
-    monkeypatch.setattr(broker_mod, "_require_java", lambda: "java")
+    monkeypatch.setattr(kafka_runtime, "require_java", lambda: "java")
     with pytest.raises(broker_mod.BrokerError) as failed:
         b._format(tmp_path, "cluster-id")
     cmd = seen[0]

@@ -231,7 +231,7 @@ def test_compiled_encoder_writes_exactly_what_fastavro_writes(name: str) -> None
 def _head_of(data: bytes) -> tuple:  # type: ignore[type-arg]
     """What decode() says, as decode_head() must say it: (kind, header, enum fields) or the
     error (type, reason code, message)."""
-    from trajbus.schemas.codec import _top_enums
+    from trajbus.schemas.head_reader import top_enum_fields
 
     try:
         decoded = CODEC.decode(data)
@@ -239,7 +239,7 @@ def _head_of(data: bytes) -> tuple:  # type: ignore[type-arg]
         return ("error", type(exc), exc.reason_code, str(exc))
     reader = CODEC._decoder(data)[1]
     return (decoded.kind, decoded.record["header"],
-            {n: decoded.record[n] for n in _top_enums(reader.parsed)})
+            {n: decoded.record[n] for n in top_enum_fields(reader.parsed)})
 
 
 def _head(data: bytes) -> tuple:  # type: ignore[type-arg]

@@ -180,7 +180,8 @@ _REVIEWED_EXEC = {
     # this package's own bundled reader schemas only (Codec._bundled / the registry's
     # readers), field names written with repr(), other constants passed in the namespace;
     # data is only ever an argument of the generated function
-    ("schemas/codec.py", "exec"),
+    ("schemas/fast_encoder.py", "exec"),
+    ("schemas/head_reader.py", "exec"),
 }
 
 

@@ -1,0 +1,47 @@
+"""OS processes as a launcher sees them: is a pid alive, what it runs, the end of its log.
+
+Linux reads ``/proc``; elsewhere :func:`pid_alive` trusts ``kill(pid, 0)`` and
+:func:`pid_cmdline` knows nothing (None).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def file_tail(path: Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of a log file (of its last 64 KiB), "(no log)" when it cannot be
+    read, "(empty)" when it holds none."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 64 * 1024))
+            text = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty)"
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc (macOS): trust kill(0)
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def pid_cmdline(pid: int) -> str | None:
+    """The command line of ``pid``, arguments joined by spaces; None without ``/proc``."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return None
+
