@@ -508,11 +508,7 @@ class ReorderCore(HeldAdmission, Emission, Deadlines):
             if have == digest:
                 self._c["duplicates"] += 1
             else:
-                self._c["conflicts"] += 1
-                out.append(self._dl(ev, "conflicting_duplicate",
-                                    f"seq {seq} was already emitted with different content "
-                                    f"(digest {have:016x}, this one {digest:016x}); the kept "
-                                    "version is in the episode's replay segments"))
+                self._emitted_conflict(ev, out, f"digest {have:016x}, this one {digest:016x}")
             return
         for lo, hi in ep.gaps:
             if lo <= seq <= hi:
@@ -528,13 +524,9 @@ class ReorderCore(HeldAdmission, Emission, Deadlines):
             if h == mine:
                 self._c["duplicates"] += 1
             else:
-                self._c["conflicts"] += 1
-                out.append(self._dl(ev, "conflicting_duplicate",
-                                    f"seq {seq} was already emitted with different content "
-                                    f"({ep.next_seq - seq} seqs back, beyond the dedupe window "
-                                    f"of {self._w}: 16-bit digest {h:04x}, this one "
-                                    f"{mine:04x}); the kept version is in the episode's "
-                                    "replay segments"))
+                self._emitted_conflict(ev, out, (
+                    f"{ep.next_seq - seq} seqs back, beyond the dedupe window of {self._w}: "
+                    f"16-bit digest {h:04x}, this one {mine:04x}"))
             return
         self._c["duplicates_unverified"] += 1
         out.append(self._dl(ev, "unverified_duplicate",
@@ -542,6 +534,15 @@ class ReorderCore(HeldAdmission, Emission, Deadlines):
                             "older than the content history kept for the episode (from seq "
                             f"{ep.hist_base}), so it was not compared with the kept version "
                             "and is not used; the kept version is in the episode's replay "
+                            "segments"))
+
+    def _emitted_conflict(self, ev: InEvent, out: list[Output], detail: str) -> None:
+        """``ev`` repeats an emitted seq with other content (``detail``: how that is known):
+        a ``conflicting_duplicate`` dead letter; the emitted version stays."""
+        self._c["conflicts"] += 1
+        out.append(self._dl(ev, "conflicting_duplicate",
+                            f"seq {ev.seq} was already emitted with different content "
+                            f"({detail}); the kept version is in the episode's replay "
                             "segments"))
 
     def _sandbox_event(self, ev: InEvent, out: list[Output]) -> None:

@@ -311,13 +311,7 @@ class WatchdogCore(LoopRule, LogTimers, Tracking):
             ring[slot + R_CID] = cid
             st.n = n + 1
             if matched and st.loop_len == 0:
-                calls = n + 1
-                for length, off, need in rules.cycles:
-                    if calls - win[off][0] >= need:
-                        fired = self._maybe_fire(st, length, off, seq, t, event_id)
-                        if fired:
-                            outs.extend(fired)
-                            break
+                self._fire_first(st, n + 1, seq, t, event_id, outs)
             return outs
 
         # -- ToolResult: close the call, result changes, loop rule
@@ -357,12 +351,7 @@ class WatchdogCore(LoopRule, LogTimers, Tracking):
                 if other is not None and other != fp and win[off][0] <= j:
                     self._result_changed(st, length, off, k, seq, t, event_id, outs)
         if st.loop_len == 0:
-            for length, off, need in rules.cycles:
-                if n - win[off][0] >= need:
-                    fired = self._maybe_fire(st, length, off, seq, t, event_id)
-                    if fired:
-                        outs.extend(fired)
-                        break
+            self._fire_first(st, n, seq, t, event_id, outs)
         return outs
 
     def _result_changed(self, st: Stream, length: int, off: int, at: int, seq: int, t: int,
