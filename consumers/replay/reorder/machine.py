@@ -5,33 +5,21 @@ Every event goes through one transition, :meth:`ReorderCore._slow`, except two s
 common case consists of, which :meth:`ReorderCore.handle` takes directly with the same
 effect: the next expected event of an open episode with nothing buffered (the fast path)
 and a plain event that starts, extends or releases an open episode's buffer (the stall
-path). Its parts: :class:`.admission.HeldAdmission` (held events), :class:`.emission.Emission`
-(segments, gaps, closing) and :class:`.timers.Deadlines` (timers); the changelog is
-:mod:`.codec`'s.
+path). Every place that computes a content digest is here. Its parts:
+:class:`.admission.HeldAdmission` (held events), :class:`.emission.Emission` (segments, gaps,
+closing), :class:`.timers.Deadlines` (timers), :class:`.steps.Steps` (the transition steps
+the paths share, sandbox-level events) and :class:`.persistence.Persistence` (changelog
+records out and in, in :mod:`.codec`'s format).
 """
 
 from __future__ import annotations
 
 import heapq
-import struct
 from typing import Any
 
 from trajbus.bus.settings import ReplaySettings
 
 from .admission import HeldAdmission
-from .codec import (
-    V_CLOCK,
-    V_EP,
-    V_SB,
-    pack_clock,
-    pack_episode,
-    pack_held,
-    pack_sandbox,
-    unpack_clock,
-    unpack_episode,
-    unpack_held,
-    unpack_sandbox,
-)
 from .emission import Emission
 from .episode import (
     GAP_MARK,
@@ -41,23 +29,20 @@ from .episode import (
     remember,
 )
 from .events import (
-    CLOCK_KEY,
-    HELD_PREFIX,
     DeadLetterOut,
     Held,
     InEvent,
     LateOut,
-    Origin,
     Output,
     SegmentOut,
     content_digest,
-    episode_key,
 )
+from .persistence import Persistence
+from .steps import Steps
 from .timers import (
     NEVER,
     TIMER_IDLE,
     TIMER_RECYCLE,
-    TIMER_SANDBOX,
     Deadlines,
 )
 
@@ -78,7 +63,7 @@ def _classify(ev: object) -> str:
     return "internal_error"
 
 
-class ReorderCore(HeldAdmission, Emission, Deadlines):
+class ReorderCore(HeldAdmission, Emission, Deadlines, Steps, Persistence):
     """Pure reorder state machine for one input partition (its guarantees:
     :mod:`trajbus.consumers.replay.core`)."""
 
@@ -285,98 +270,7 @@ class ReorderCore(HeldAdmission, Emission, Deadlines):
         c["held"] = self._held_total
         return c
 
-    def take_dirty(self) -> dict[str, bytes | None]:
-        """Blobs for every key changed since the last call (``None`` = deleted), sorted by key.
-        Persist them in the same transaction as the outputs produced since the last call."""
-        res: dict[str, bytes | None] = {}
-        if self._clock != self._persisted_clock:
-            res[CLOCK_KEY] = pack_clock(self._clock)
-            self._persisted_clock = self._clock
-        for sb, episode in self._dirty:
-            if episode is None:
-                dl = self._recycled.get(sb)
-                res[f"{sb}/"] = None if dl is None else pack_sandbox(sb, dl)
-            else:
-                ep = self._eps.get((sb, episode))
-                res[episode_key(sb, episode)] = None if ep is None else pack_episode(ep)
-        for ep in self._dirty_eps:
-            if self._eps.get(ep.key) is ep:
-                res[episode_key(ep.sandbox, ep.episode)] = pack_episode(ep)
-            elif ep.key not in self._eps:
-                res[episode_key(ep.sandbox, ep.episode)] = None
-        for sb in self._dirty_held:
-            held = self._held.get(sb)
-            res[HELD_PREFIX + sb] = pack_held(sb, held) if held else None
-        self._dirty.clear()
-        self._dirty_eps.clear()
-        self._dirty_held.clear()
-        return dict(sorted(res.items()))
-
-    def snapshot(self) -> dict[str, bytes]:
-        """The whole state as changelog blobs (for tests and cold snapshots)."""
-        res: dict[str, bytes] = {CLOCK_KEY: pack_clock(self._clock)}
-        for sb, dl in self._recycled.items():
-            res[f"{sb}/"] = pack_sandbox(sb, dl)
-        for ep in self._eps.values():
-            res[episode_key(ep.sandbox, ep.episode)] = pack_episode(ep)
-        for sb, held in self._held.items():
-            res[HELD_PREFIX + sb] = pack_held(sb, held)
-        return dict(sorted(res.items()))
-
-    def restore(self, key: str, blob: bytes | None) -> None:
-        """Apply one changelog record (the latest per key wins; ``None`` deletes). Raises
-        ``ValueError`` on a blob this version cannot read (fail fast at start-up)."""
-        if key.startswith(HELD_PREFIX):
-            try:
-                sb = key[len(HELD_PREFIX):]
-                self._set_held(sb, None if blob is None else unpack_held(blob),
-                               dirty=False)
-                self._restored_held.add(sb)
-            except (struct.error, UnicodeDecodeError, IndexError, ValueError) as exc:
-                raise ValueError(f"corrupt reorder state for {key!r}: {exc}") from exc
-            return
-        if blob is None:
-            if key == CLOCK_KEY:
-                return
-            sb, _, episode = key.partition("/")
-            if episode:
-                self._drop_ep((sb, episode))
-            else:
-                self._recycled.pop(sb, None)
-            return
-        try:
-            tag = blob[:2]
-            if tag == V_CLOCK:
-                self._clock = max(self._clock, unpack_clock(blob))
-                self._persisted_clock = self._clock
-            elif tag == V_SB:
-                sb, dl = unpack_sandbox(blob)
-                self._recycled[sb] = dl
-                self._restored.add((sb, ""))
-            elif tag == V_EP:
-                self._restore_episode(*unpack_episode(blob, self._w))
-            else:
-                raise ValueError(f"unknown blob tag {tag!r}")
-        except (struct.error, UnicodeDecodeError, IndexError) as exc:
-            raise ValueError(f"corrupt reorder state for {key!r}: {exc}") from exc
-
     # -- event processing ------------------------------------------------------------------
-    def _dl(self, ev: InEvent, code: str, reason: str, other: bytes | None = None,
-            origin: Origin | None = None) -> DeadLetterOut:
-        self._c["dead_letters"] += 1
-        seq = getattr(ev, "seq", -1)
-        raw = getattr(ev, "raw", b"")
-        episode = getattr(ev, "episode", None)
-        return DeadLetterOut(
-            code, reason, bytes(raw) if isinstance(raw, bytes | bytearray) else b"",
-            str(getattr(ev, "task", "")), str(getattr(ev, "sandbox", "")),
-            episode if isinstance(episode, str) else None, seq if type(seq) is int else -1,
-            other, origin)
-
-    def _late(self, ep: EpisodeState, seq: int, raw: bytes, code: str) -> LateOut:
-        self._c["late"] += 1
-        return LateOut(ep.task, ep.sandbox, ep.episode, seq, raw, code)
-
     def _slow(self, ev: InEvent, ep: EpisodeState | None, out: list[Output],
               origin: tuple[Any, ...] | None = None) -> None:
         c = self._c
@@ -508,11 +402,7 @@ class ReorderCore(HeldAdmission, Emission, Deadlines):
             if have == digest:
                 self._c["duplicates"] += 1
             else:
-                self._c["conflicts"] += 1
-                out.append(self._dl(ev, "conflicting_duplicate",
-                                    f"seq {seq} was already emitted with different content "
-                                    f"(digest {have:016x}, this one {digest:016x}); the kept "
-                                    "version is in the episode's replay segments"))
+                self._emitted_conflict(ev, out, f"digest {have:016x}, this one {digest:016x}")
             return
         for lo, hi in ep.gaps:
             if lo <= seq <= hi:
@@ -528,13 +418,9 @@ class ReorderCore(HeldAdmission, Emission, Deadlines):
             if h == mine:
                 self._c["duplicates"] += 1
             else:
-                self._c["conflicts"] += 1
-                out.append(self._dl(ev, "conflicting_duplicate",
-                                    f"seq {seq} was already emitted with different content "
-                                    f"({ep.next_seq - seq} seqs back, beyond the dedupe window "
-                                    f"of {self._w}: 16-bit digest {h:04x}, this one "
-                                    f"{mine:04x}); the kept version is in the episode's "
-                                    "replay segments"))
+                self._emitted_conflict(ev, out, (
+                    f"{ep.next_seq - seq} seqs back, beyond the dedupe window of {self._w}: "
+                    f"16-bit digest {h:04x}, this one {mine:04x}"))
             return
         self._c["duplicates_unverified"] += 1
         out.append(self._dl(ev, "unverified_duplicate",
@@ -543,106 +429,3 @@ class ReorderCore(HeldAdmission, Emission, Deadlines):
                             f"{ep.hist_base}), so it was not compared with the kept version "
                             "and is not used; the kept version is in the episode's replay "
                             "segments"))
-
-    def _sandbox_event(self, ev: InEvent, out: list[Output]) -> None:
-        sb = ev.sandbox
-        if ev.state == "RECYCLED":
-            if sb in self._recycled:
-                return
-            self._c["recycled"] += 1
-            dl = self._now + self._grace
-            self._recycled[sb] = dl
-            self._dirty.add((sb, None))
-            self._push_timer(dl + self._ttl, TIMER_SANDBOX, (sb, ""))
-            for episode in sorted(self._by_sandbox.get(sb, ())):
-                rec = self._eps[(sb, episode)]
-                if rec.recycle_at < 0:
-                    rec.recycle_at = dl
-                    self._dirty_eps.add(rec)
-                    self._push_timer(dl, TIMER_RECYCLE, rec.key)
-        elif ev.kind == "Drained" and ev.final_seqs:
-            ev = self._hold_drained(ev)
-            for episode, final in sorted(ev.final_seqs):
-                ep = self._eps.get((sb, episode))
-                if ep is None or ep.closed or ep.end_seq >= 0 or type(final) is not int:
-                    continue
-                if final < ep.next_seq - 1 or ep.final_seq >= 0:
-                    continue  # contradicts what was emitted, or already known: first wins
-                ep.final_seq = final
-                self._dirty_eps.add(ep)
-                self._set_stop(ep, final, out)
-                if ep.next_seq > final and not ep.buf:
-                    self._emit(ep, out, [], None, True, ep.last_time)
-                    self._close(ep)
-        else:
-            self._c["ignored"] += 1
-
-    def _set_stop(self, ep: EpisodeState, stop: int, out: list[Output]) -> None:
-        ep.stop = stop
-        ep.expect = -1
-        buf = ep.buf
-        if buf:
-            for s in sorted(k for k in buf if k > stop):
-                raw, _, _ = buf.pop(s)
-                self._unbuffer(ep, len(raw))
-                self._c["dead_letters"] += 1
-                out.append(DeadLetterOut("seq_after_end", f"seq {s} after the last seq {stop}",
-                                         raw, ep.task, ep.sandbox, ep.episode, s))
-            if not buf:
-                ep.buf = None
-                ep.gap_since = -1
-
-    def _touch(self, ep: EpisodeState) -> None:
-        """An event of the episode is accepted at the arrival time ``_now``: its idle clock
-        moves there (never backwards: log times of two topics interleave) and its state is
-        changed."""
-        if self._now > ep.active:
-            ep.active = self._now
-        self._dirty_eps.add(ep)
-
-    def _buffer(self, ep: EpisodeState, seq: int, raw: bytes, digest: int, t: int) -> None:
-        """Keep an event beyond next_seq until its predecessors arrive; the first one buffered
-        stalls the episode (its stall timer starts)."""
-        buf = ep.buf
-        if buf is None:
-            buf = ep.buf = {}
-            ep.expect = -1
-            self._arm_gap(ep)
-        buf[seq] = (raw, digest, t)
-        n = len(raw)
-        ep.buf_bytes += n
-        self._buffered += 1
-        self._buffered_bytes += n
-
-    def _drop_ep(self, key: tuple[str, str]) -> None:
-        ep = self._eps.pop(key, None)
-        if ep is None:
-            return
-        if ep.buf:
-            for raw, _, _ in ep.buf.values():
-                self._unbuffer(ep, len(raw))
-        eps = self._by_sandbox.get(ep.sandbox)
-        if eps is not None:
-            eps.discard(ep.episode)
-            if not eps:
-                del self._by_sandbox[ep.sandbox]
-
-
-    def _restore_episode(self, ep: EpisodeState, buf: dict[int, tuple[bytes, int, int]]) -> None:
-        """Put a decoded episode in place of the key's state (its timers are armed before the
-        next input, by :meth:`_arm_restored`)."""
-        key = ep.key
-        self._drop_ep(key)
-        self._eps[key] = ep
-        self._restored.add(key)
-        if ep.closed:
-            return
-        self._by_sandbox.setdefault(ep.sandbox, set()).add(ep.episode)
-        if buf:
-            ep.buf = buf
-            for raw, _, _ in buf.values():
-                ep.buf_bytes += len(raw)
-                self._buffered += 1
-                self._buffered_bytes += len(raw)
-        elif ep.stop < 0:
-            ep.expect = ep.next_seq

@@ -1,11 +1,13 @@
-"""Reading the watchdog's input records: the header fields it needs, hash fingerprints, and
-the precise reason a refused record gets."""
+"""Reading the watchdog's input records: the header fields it needs, hash fingerprints, the
+precise reason a refused record gets and its dead letter."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
 from typing import Any
+
+from .outputs import DeadLetterOut
 
 
 class Invalid(Exception):
@@ -78,3 +80,22 @@ def diagnose(kind: str, record: Any) -> tuple[str, str]:
             return "wrong_type", f"{name} must be {types[0].__name__}"
     return "internal_error", "unexpected error"
 
+
+
+def dead_letter(kind: str, record: Any, code: str, reason: str) -> DeadLetterOut:
+    """The dead letter of a refused record: ``code`` and ``reason``, plus whatever of its
+    header identifies it (fields of the wrong type are left out)."""
+    h = record.get("header") if isinstance(record, Mapping) else None
+    if not isinstance(h, Mapping):
+        h = {}
+
+    def s(name: str) -> str | None:
+        v = h.get(name)
+        return v if isinstance(v, str) else None
+
+    seq = h.get("seq")
+    return DeadLetterOut(
+        reason_code=code, reason=reason, kind=kind if isinstance(kind, str) else repr(kind),
+        event_id=s("event_id"), task=s("task"), sandbox=s("sandbox"), episode=s("episode"),
+        seq=seq if type(seq) is int else None,
+    )

@@ -106,6 +106,19 @@ class LoopRule:
             ))
         return outs
 
+    def _fire_first(self, st: Stream, calls: int, seq: int, t: int, event_id: str,
+                    outs: list[Output]) -> None:
+        """The loop rule after an event (``calls``: the calls its windows count to): the
+        shortest cycle length whose window holds enough calls and fires adds its outputs to
+        ``outs``; at most one fires."""
+        win = st.win
+        for length, off, need in st.rules.cycles:
+            if calls - win[off][0] >= need:
+                fired = self._maybe_fire(st, length, off, seq, t, event_id)
+                if fired:
+                    outs.extend(fired)
+                    return
+
     def _loop_ended(self, st: Stream, length: int, off: int, last: int, seq: int, t: int,
                     event_id: str, why: str, changes: int | None = None) -> AlertOut:
         """LOOP_ENDED for the active loop; ``last`` = index of the newest call in the ring."""

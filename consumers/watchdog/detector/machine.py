@@ -1,17 +1,22 @@
-"""The loop and stall detector: :class:`WatchdogCore` (its rules are the docstring of
-:mod:`trajbus.consumers.watchdog.core`, the import path to use)."""
+"""The loop and stall detector: :class:`WatchdogCore`, the façade over its parts (its rules
+are the docstring of :mod:`trajbus.consumers.watchdog.core`, the import path to use).
+
+The tool events (ToolCall, ToolResult: nearly every event) are handled here, in one method
+(the hot path); the parts it shares with the other events are :class:`.timers.LogTimers`
+(time per log, the timers and :meth:`~.timers.LogTimers._touch`, the step every accepted
+event takes), :class:`.tracking.Tracking` (opening, ending and loading streams; the other
+events' handlers) and :class:`.loops.LoopRule` (windows, patterns and alerts)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
-from trajbus.bus.settings import MAX_CYCLE_LENGTH_LIMIT, WatchdogSettings
+from trajbus.bus.settings import WatchdogSettings
 
 from ..canonical import CanonicalError
 from .explain import Explanation
-from .inputs import Invalid, diagnose, fromhex, opaque, read_header
+from .inputs import Invalid, dead_letter, diagnose, fromhex, opaque
 from .loops import LoopRule
 from .outputs import (
     DeadLetterOut,
@@ -27,8 +32,6 @@ from .stream import (
     R_RFP,
     R_SEQ,
     R_TIME,
-    R_TOOL,
-    RECONFIGURED,
     RS,
     START,
     W_CHG,
@@ -37,15 +40,14 @@ from .stream import (
     W_TIME,
     Stream,
     dump_stream,
-    state_version,
 )
+from .timers import LogTimers
+from .tracking import Tracking
 
 _STATUS_PREFIX = {"OK": b"", "ERROR": b"E", "TIMEOUT": b"T"}
-_END_KINDS = frozenset({"DRAINING", "RECYCLED"})
-_MAX_INTERNED_TOOLS = 4096
 
 
-class WatchdogCore(LoopRule):
+class WatchdogCore(LoopRule, LogTimers, Tracking):
     """Loop and stall detector. Its exact rules: :mod:`trajbus.consumers.watchdog.core`.
 
     ``settings``: global thresholds (default ``WatchdogSettings()``); ``per_task``: task name ->
@@ -112,14 +114,14 @@ class WatchdogCore(LoopRule):
             self._on_other(record)
             return []
         except Invalid as exc:
-            return [self._dead(kind, record, exc.code, exc.reason)]
+            return [dead_letter(kind, record, exc.code, exc.reason)]
         except (KeyError, TypeError, AttributeError, IndexError) as exc:
             code, reason = diagnose(kind, record)
             if code == "internal_error":
                 reason = f"{type(exc).__name__}: {exc}"
-            return [self._dead(kind, record, code, reason)]
+            return [dead_letter(kind, record, code, reason)]
         except Exception as exc:  # a bug must not take the worker down
-            return [self._dead(kind, record, "internal_error", f"{type(exc).__name__}: {exc}")]
+            return [dead_letter(kind, record, "internal_error", f"{type(exc).__name__}: {exc}")]
 
     def advance(self, log: str, log_ms: int) -> list[Output]:
         """A record of ``log`` written at ``log_ms`` (its Kafka timestamp) was read: that log's
@@ -157,44 +159,6 @@ class WatchdogCore(LoopRule):
         self._floor = self._clock.get(self._domain, -1)
         found.sort(key=lambda kv: kv[0])
         return [o for _, outs in found for o in outs]
-
-    def _timers(self, log: str, clock: int) -> list[tuple[str, list[Output]]]:
-        """Fire the timers of ``log``'s streams due by ``clock`` (its log time): a STALL first
-        (its deadline comes first), then idle eviction; and note when the next one is due."""
-        found: list[tuple[str, list[Output]]] = []
-        evict = self.evict_idle_ms
-        members = self._in_domain.get(log)
-        nxt: int | None = None
-        for st in list(members.values()) if members else ():
-            last = st.last_log
-            if last < 0:
-                continue
-            idle = clock - last
-            stall = st.rules.stall_after_ms
-            outs: list[Output] = []
-            open_calls = not st.stalled and self._open_calls(st) > 0
-            if open_calls and idle >= stall:
-                st.stalled = True
-                open_calls = False
-                self._dirty.add(st.key)
-                outs.append(self._stall_alert(st, clock, idle))
-            if evict is not None and idle >= evict:
-                outs.extend(self._end_stream(
-                    st, st.last_seq, st.last_time, "",
-                    f"tracking ended: idle for {idle} ms of its log"))
-                found.append((st.key, outs))
-                continue
-            if outs:
-                found.append((st.key, outs))
-            for due in (last + evict if evict is not None else None,
-                        last + stall if open_calls else None):
-                if due is not None and (nxt is None or due < nxt):
-                    nxt = due
-        if nxt is None:
-            self._due.pop(log, None)
-        else:
-            self._due[log] = nxt
-        return found
 
     def take_dirty(self) -> dict[str, bytes | None]:
         """State changed since the last call: key -> serialized state, or None if the stream
@@ -297,27 +261,11 @@ class WatchdogCore(LoopRule):
                 fp = fromhex(fhash)
             except ValueError:
                 fp = opaque(fhash)
-        fresh = st is None
         if st is None:
             st = self._new(key, task, sandbox, episode)
-        self._dirty.add(key)
-        st.last_seq = seq
-        if t > st.last_time:
-            st.last_time = t
-        # its timers count again from max(its log's clock, the record's log time) (_seen,
-        # inline: the hot path); a call may open the stall timer, a stalled one re-arms it
-        lg = self._log_ms
-        if lg is None:
-            lg = t
-        if self._floor > lg:
-            lg = self._floor
-        if lg > st.last_log:
-            st.last_log = lg
-        if st.domain != self._domain:
-            self._move(st)
-        elif call or fresh or st.stalled:
-            self._arm(st)
-        st.stalled = False
+            self._touch(st, seq, t)
+        else:  # only a call may open the stall timer, and a stalled stream's re-arms it
+            self._touch(st, seq, t, call or st.stalled)
         ring = st.ring
         win = st.win
         n = st.n
@@ -363,13 +311,7 @@ class WatchdogCore(LoopRule):
             ring[slot + R_CID] = cid
             st.n = n + 1
             if matched and st.loop_len == 0:
-                calls = n + 1
-                for length, off, need in rules.cycles:
-                    if calls - win[off][0] >= need:
-                        fired = self._maybe_fire(st, length, off, seq, t, event_id)
-                        if fired:
-                            outs.extend(fired)
-                            break
+                self._fire_first(st, n + 1, seq, t, event_id, outs)
             return outs
 
         # -- ToolResult: close the call, result changes, loop rule
@@ -409,12 +351,7 @@ class WatchdogCore(LoopRule):
                 if other is not None and other != fp and win[off][0] <= j:
                     self._result_changed(st, length, off, k, seq, t, event_id, outs)
         if st.loop_len == 0:
-            for length, off, need in rules.cycles:
-                if n - win[off][0] >= need:
-                    fired = self._maybe_fire(st, length, off, seq, t, event_id)
-                    if fired:
-                        outs.extend(fired)
-                        break
+            self._fire_first(st, n, seq, t, event_id, outs)
         return outs
 
     def _result_changed(self, st: Stream, length: int, off: int, at: int, seq: int, t: int,
@@ -435,255 +372,9 @@ class WatchdogCore(LoopRule):
                 f"result changed at seq {seq} (call seq {ring[b + R_SEQ]})", changes=changes))
         win[off] = (at, ring[b + R_SEQ], ring[b + R_TIME], 0, CHANGED)
 
-    def _on_episode_start(self, rec: Mapping[str, Any]) -> list[Output]:
-        task, sandbox, episode, seq, t, _ = read_header(rec)
-        key = state_key(sandbox, episode)
-        st = self._streams.get(key)
-        if st is None:
-            st = self._new(key, task, sandbox, episode)
-        elif seq <= st.last_seq:
-            return []
-        self._touch(st, seq, t)
-        return []
-
-    def _on_episode_end(self, rec: Mapping[str, Any]) -> list[Output]:
-        _, sandbox, episode, seq, t, event_id = read_header(rec)
-        st = self._streams.get(state_key(sandbox, episode))
-        if st is None or seq <= st.last_seq:
-            return []
-        if t > st.last_time:
-            st.last_time = t
-        return self._end_stream(st, seq, t, event_id, f"tracking ended: episode ended at seq {seq}")
-
-    def _on_lifecycle(self, rec: Mapping[str, Any]) -> list[Output]:
-        _, sandbox, _, seq, t, event_id = read_header(rec)
-        state = rec["state"]
-        if type(state) is not str:
-            raise Invalid("wrong_type", "state must be a string")
-        if state not in _END_KINDS:
-            return []
-        streams = []
-        st = self._by_sandbox.get(sandbox)
-        while st is not None:
-            streams.append(st)
-            st = st.sb_next
-        streams.sort(key=lambda s: s.key)
-        outs: list[Output] = []
-        for st in streams:
-            outs.extend(self._end_stream(
-                st, st.last_seq, max(t, st.last_time), event_id,
-                f"tracking ended: sandbox {state.lower()} (lifecycle seq {seq})"))
-        return outs
-
-    def _on_other(self, rec: Mapping[str, Any]) -> None:
-        h = rec.get("header") if isinstance(rec, Mapping) else None
-        if not isinstance(h, Mapping):
-            return
-        sandbox, episode, seq, t = (h.get("sandbox"), h.get("episode"), h.get("seq"),
-                                    h.get("event_time_ms"))
-        if (episode is None or type(sandbox) is not str or type(episode) is not str
-                or type(seq) is not int or type(t) is not int):
-            return
-        st = self._streams.get(f"{sandbox}\x1f{episode}")
-        if st is not None and seq > st.last_seq:
-            self._touch(st, seq, t)
-
-    # -- loop machinery -----------------------------------------------------------------------
     def _fp_text(self, rules: LoopRules, text: str, what: str) -> bytes:
         c = rules.canon
         try:
             return c.digest_canonical(text) if self.trust_canonical else c.digest(text)
         except CanonicalError as exc:
             raise Invalid(f"bad_{what}_canonical", f"{what}_canonical: {exc}") from None
-
-    def _intern(self, tool: str) -> str:
-        if len(self._tools) < _MAX_INTERNED_TOOLS:
-            self._tools[tool] = tool
-        return tool
-
-    def _end_stream(self, st: Stream, seq: int, t: int, event_id: str,
-                    why: str) -> list[Output]:
-        outs: list[Output] = []
-        if st.loop_len:
-            length = st.loop_len
-            off = st.rules.cycles[length - 1][1]
-            outs.append(self._loop_ended(st, length, off, st.n - 1, seq, t, event_id, why))
-        self._drop(st)
-        self._dirty.add(st.key)
-        return outs
-
-    # -- bookkeeping --------------------------------------------------------------------------
-    def _new(self, key: str, task: str, sandbox: str, episode: str | None) -> Stream:
-        task = self._tools.get(task) or self._intern(task)
-        st = Stream(key, task, sandbox, episode, self._task_rules.get(task, self.default_rules))
-        st.domain = self._domain
-        self._add(st)
-        return st
-
-    def _add(self, st: Stream) -> None:
-        self._streams[st.key] = st
-        st.sb_next = self._by_sandbox.get(st.sandbox)
-        self._by_sandbox[st.sandbox] = st
-        self._in_domain.setdefault(st.domain, {})[st.key] = st
-        self._arm(st)
-
-    def _drop(self, st: Stream) -> None:
-        if self._streams.pop(st.key, None) is None:
-            return
-        self._leave(st)
-        head = self._by_sandbox.get(st.sandbox)
-        if head is st:
-            if st.sb_next is None:
-                del self._by_sandbox[st.sandbox]
-            else:
-                self._by_sandbox[st.sandbox] = st.sb_next
-        else:
-            prev = head
-            while prev is not None and prev.sb_next is not st:
-                prev = prev.sb_next
-            if prev is not None:
-                prev.sb_next = st.sb_next
-        st.sb_next = None
-
-    def _touch(self, st: Stream, seq: int, t: int) -> None:
-        st.last_seq = seq
-        if t > st.last_time:
-            st.last_time = t
-        st.stalled = False
-        self._seen(st, t)
-        self._dirty.add(st.key)
-
-    def _seen(self, st: Stream, t: int) -> None:
-        """An event of ``st`` (event time ``t``) was read: its timers count again from
-        ``max(its log's clock, the record's log time)`` (a record written before the clock was
-        read late: its stream is not made idle by the delay)."""
-        lg = self._log_ms
-        if lg is None:
-            lg = t
-        if self._floor > lg:
-            lg = self._floor
-        if lg > st.last_log:
-            st.last_log = lg
-        if st.domain != self._domain:
-            self._move(st)
-        else:
-            self._arm(st)
-
-    def _move(self, st: Stream) -> None:
-        """``st``'s events now come from the current log (or did not come from any yet)."""
-        self._leave(st)
-        st.domain = self._domain
-        self._in_domain.setdefault(st.domain, {})[st.key] = st
-        self._arm(st)
-
-    def _arm(self, st: Stream) -> None:
-        """Its log's next-due time is not after ``st``'s earliest possible timer."""
-        if st.last_log < 0:
-            return
-        stall, evict = st.rules.stall_after_ms, self.evict_idle_ms
-        due = st.last_log + (stall if evict is None or stall < evict else evict)
-        cur = self._due.get(st.domain)
-        if cur is None or due < cur:
-            self._due[st.domain] = due
-
-    def _leave(self, st: Stream) -> None:
-        members = self._in_domain.get(st.domain)
-        if members is not None and members.get(st.key) is st:
-            del members[st.key]
-            if not members:
-                del self._in_domain[st.domain]
-
-    def _dead(self, kind: str, record: Any, code: str, reason: str) -> DeadLetterOut:
-        h = record.get("header") if isinstance(record, Mapping) else None
-        if not isinstance(h, Mapping):
-            h = {}
-
-        def s(name: str) -> str | None:
-            v = h.get(name)
-            return v if isinstance(v, str) else None
-
-        seq = h.get("seq")
-        return DeadLetterOut(
-            reason_code=code, reason=reason, kind=kind if isinstance(kind, str) else repr(kind),
-            event_id=s("event_id"), task=s("task"), sandbox=s("sandbox"), episode=s("episode"),
-            seq=seq if type(seq) is int else None,
-        )
-
-    # -- restore --------------------------------------------------------------------------------
-    def _load(self, blob: bytes) -> Stream:
-        data = json.loads(blob)
-        state_version(data)
-        (_, task, sandbox, episode, last_seq, last_time, n, loop_len, stalled, open_old, m,
-         ring, win) = data[:13]
-        last_log, domain = data[13:] if len(data) == 15 else (-1, "")
-        if type(last_log) is not int or type(domain) is not str:
-            raise TypeError("last_log must be int, domain str")
-        for name, v, typ in (("task", task, str), ("sandbox", sandbox, str)):
-            if type(v) is not typ:
-                raise TypeError(f"{name} must be {typ.__name__}")
-        if episode is not None and type(episode) is not str:
-            raise TypeError("episode must be str or null")
-        for name, v in (("last_seq", last_seq), ("last_time", last_time), ("n", n),
-                        ("loop_len", loop_len), ("open_old", open_old), ("m", m)):
-            if type(v) is not int:
-                raise TypeError(f"{name} must be int")
-        if not (isinstance(ring, list) and isinstance(win, list)):
-            raise TypeError("ring/win must be lists")
-        if not 1 <= m <= MAX_CYCLE_LENGTH_LIMIT or len(ring) != RS * (m + 1):
-            raise ValueError("ring size does not match its cycle length")
-        rules = self._task_rules.get(task, self.default_rules)
-        task = self._tools.get(task) or self._intern(task)
-        st = Stream(state_key(sandbox, episode), task, sandbox, episode, rules)
-        st.last_seq, st.last_time, st.n = last_seq, last_time, n
-        st.last_log, st.domain = last_log, domain
-        st.stalled = bool(stalled)
-        st.open_old = open_old
-        fps: dict[str, bytes] = {}  # one object per distinct fingerprint, as when live
-
-        def unhex(v: Any) -> bytes | None:
-            if v is None:
-                return None
-            if type(v) is not str:
-                raise TypeError("fingerprint must be a hex string")
-            fp = fps.get(v)
-            if fp is None:
-                fp = fps[v] = bytes.fromhex(v)
-            return fp
-
-        for i in range(0, len(ring), RS):
-            slot = ring[i:i + RS]
-            if slot[R_TOOL] is None:
-                continue
-            tool, _, seq, t, _, cid = slot
-            if (type(tool) is not str or type(seq) is not int or type(t) is not int
-                    or not (cid is None or type(cid) is str)):
-                raise TypeError("bad ring slot")
-            ring[i] = self._tools.get(tool) or self._intern(tool)
-            ring[i + R_AFP] = unhex(slot[R_AFP])
-            ring[i + R_RFP] = unhex(slot[R_RFP])
-        win = list(win)
-        src_len, dst_len = m + 1, rules.ring_len
-        # re-lay the ring into the current cycle-length configuration
-        for back in range(min(n, src_len, dst_len)):
-            k = n - 1 - back
-            src, dst = (k % src_len) * RS, (k % dst_len) * RS
-            st.ring[dst:dst + RS] = ring[src:src + RS]
-        # calls that no longer fit in a smaller ring: keep their openness
-        st.open_old += sum(
-            1 for back in range(dst_len, min(n, src_len))
-            if ring[((n - 1 - back) % src_len) * RS + R_CID] is not None
-        )
-        if m == rules.max_cycle_length and len(win) == rules.win_size:
-            if n:
-                win = [tuple(w) for w in win]
-                if any(len(w) != 5 or any(type(v) is not int for v in w) for w in win):
-                    raise TypeError("bad window")
-            st.win = win
-            st.loop_len = loop_len
-        elif n > 0:  # cycle setting changed: windows restart from the remembered calls
-            kept = min(src_len, dst_len)  # the calls both rings hold; older ones are unknown
-            for length, off, _ in rules.cycles:
-                self._restart(st, length, off, max(0, n - length, n - kept), RECONFIGURED)
-            st.loop_len = 0
-        return st
-
