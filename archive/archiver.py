@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from trajbus.archive.core import ArchiveBatcher, Flush
-from trajbus.archive.dedupe import Deduper, Verdict, content_digest, event_identity, to_signed
+from trajbus.archive.dedupe import Deduper, Verdict, event_identity, to_signed
 from trajbus.archive.rows import decode_as_written, decoded_to_row, row_nbytes
 from trajbus.archive.spool import Spool, clear_spool_dir
 from trajbus.archive.storage import ObjectStore, mark_archive, open_store
@@ -53,6 +53,7 @@ from trajbus.archive.writer import ArchiveWriter, BatchResult
 from trajbus.bus.blobref import root_uri
 from trajbus.bus.clients import new_consumer
 from trajbus.bus.closing import close_client
+from trajbus.bus.digest import content_digest
 from trajbus.bus.settings import ArchiveSettings, Settings
 from trajbus.bus.topics import Topics, validate_name
 from trajbus.schemas.codec import Codec, DecodeError, default_codec

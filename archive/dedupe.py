@@ -56,21 +56,15 @@ import pyarrow.parquet as pq
 
 from trajbus.archive import layout
 from trajbus.archive.storage import ObjectNotFoundError, ObjectStore
+from trajbus.bus.digest import DIGEST_SIZE as DIGEST_SIZE  # the digest: re-exported
+from trajbus.bus.digest import content_digest as content_digest
 
 log = logging.getLogger(__name__)
 
 DAY_MS = 86_400_000
-DIGEST_SIZE = 8
 TP = tuple[str, int]
 EKey = tuple[str, str, str, str | None]  # (topic, task, sandbox, episode)
 Ref = tuple[str, int, int]  # (object key, first row group, last row group)
-
-
-def content_digest(raw: bytes) -> int:
-    """blake2b-64 of the record bytes as an unsigned int, never 0: the same digest the reorder
-    worker compares (``trajbus.consumers.replay.core.content_digest``)."""
-    d = int.from_bytes(hashlib.blake2b(raw, digest_size=DIGEST_SIZE).digest(), "little")
-    return d or 1
 
 
 def event_identity(event_id: str) -> int:

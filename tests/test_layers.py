@@ -55,10 +55,13 @@ PURE = (
     "trajbus.consumers.watchdog.core",  # the façade
     "trajbus.consumers.watchdog.detector",  # its rooms
     "trajbus.consumers.watchdog.canonical",
+    "trajbus.consumers.outputs",  # the outputs the cores share
     "trajbus.archive.core",
 )
-#: What a pure core may import from trajbus: the contract, plain settings, other pure cores.
-PURE_MAY_IMPORT = ("trajbus.schemas", "trajbus.bus.settings", "trajbus.bus.errors", *PURE)
+#: What a pure core may import from trajbus: the contract, plain settings and helpers, other
+#: pure cores.
+PURE_MAY_IMPORT = ("trajbus.schemas", "trajbus.bus.settings", "trajbus.bus.errors",
+                   "trajbus.bus.digest", *PURE)
 #: What a pure core never imports: a Kafka client (directly or through a trajbus module it
 #: imports), the wall clock, a random source.
 KAFKA_CLIENTS = ("aiokafka", "kafka", "confluent_kafka")

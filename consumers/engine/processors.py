@@ -17,8 +17,8 @@ from trajbus.bus.topics import Topics, TopicSpec, episode_record_key, validate_n
 from trajbus.consumers.engine import metrics
 from trajbus.consumers.engine.log_silence import SILENCES_KEY, LogSilences
 from trajbus.consumers.engine.runner import InRecord, OutRecord, ProcessorSpec
+from trajbus.consumers.outputs import DeadLetterOut, DecisionOut
 from trajbus.consumers.replay.core import (
-    DeadLetterOut,
     InEvent,
     LateOut,
     ReorderCore,
@@ -77,6 +77,33 @@ class _Adapter:
             conflicting=conflicting,
         )
         return OutRecord(self.topics.deadletter, rec.key, event.encode())
+
+    def dead_out(self, out: DeadLetterOut, rec: InRecord | None,
+                 header: dict[str, Any] | None = None) -> OutRecord | None:
+        """The dead letter of a core's :class:`DeadLetterOut`: of the record it names
+        (``origin``), else of ``rec`` (the record fed to the core), else, when it carries its
+        bytes, of a ``_core`` placeholder; None when it names no record (a dead letter of a
+        tick). ``header``: the envelope fields to name, by default the ones the core read."""
+        raw = out.raw
+        if out.origin is not None:  # an event the core held: judged after its own record
+            src: InRecord = InRecord(*out.origin[:4], raw or b"", out.origin[4])
+        elif rec is not None:
+            src = rec
+        elif raw is not None:
+            src = InRecord("_core", -1, -1, None, raw, 0)
+        else:
+            return None
+        if header is None:
+            header = {"task": out.task, "sandbox": out.sandbox, "episode": out.episode}
+        return self.dead_letter(src, out.reason_code, out.reason, value=raw, header=header,
+                                conflicting=out.conflicting_with)
+
+    def decision_out(self, out: DecisionOut) -> OutRecord:
+        """The SchedulingDecision record of a core's :class:`DecisionOut`, keyed by its
+        header's sandbox."""
+        metrics.DECISIONS.labels(out.decision).inc()
+        event = out.to_model(self.producer_id)
+        return OutRecord(self.topics.decisions, event.header.sandbox.encode(), event.encode())
 
 
 # -- reorder -----------------------------------------------------------------------------
@@ -221,13 +248,8 @@ class ReorderProcessor(_Adapter):
                 metrics.LATE.inc()
                 outs.append(OutRecord(self.topics.late, episode_record_key(r.sandbox, r.episode),
                                       r.raw))
-            elif isinstance(r, DeadLetterOut):
-                # an event the core held names its own record (it may be judged on a tick)
-                src = (rec if r.origin is None else InRecord(*r.origin[:4], r.raw, r.origin[4])
-                       ) or InRecord("_core", -1, -1, None, r.raw, 0)
-                outs.append(self.dead_letter(src, r.reason_code, r.reason, value=r.raw, header={
-                    "task": r.task, "sandbox": r.sandbox, "episode": r.episode},
-                    conflicting=r.conflicting_with))
+            elif isinstance(r, DeadLetterOut) and (dead := self.dead_out(r, rec)) is not None:
+                outs.append(dead)
 
     def take_dirty(self) -> dict[str, bytes | None]:
         dirty = self.core.take_dirty()
@@ -420,8 +442,6 @@ class SchedulerProcessor(_Adapter):
     def _in_order(self, results: list[Any], rec: InRecord, outs: list[OutRecord]) -> None:
         """Feed the rules the sandbox-stream events the reorder core released, in order.
         Events late after a closed gap are still applied (the rules judge legality)."""
-        from trajbus.consumers.replay.core import DeadLetterOut, LateOut, SegmentOut
-
         released: list[bytes] = []
         for r in results:
             if isinstance(r, SegmentOut):
@@ -429,9 +449,12 @@ class SchedulerProcessor(_Adapter):
             elif isinstance(r, LateOut):
                 released.append(r.raw)
             elif isinstance(r, DeadLetterOut):
-                src = rec if r.origin is None else InRecord(*r.origin[:4], r.raw, r.origin[4])
-                outs.append(self.dead_letter(src, r.reason_code, r.reason, value=r.raw,
-                                             header={"task": r.task, "sandbox": r.sandbox}))
+                # the sandbox stream is a pseudo-episode of the core: its dead letters name
+                # no episode, nor a kept version
+                dead = self.dead_out(r._replace(conflicting_with=None), rec,
+                                     header={"task": r.task, "sandbox": r.sandbox})
+                if dead is not None:
+                    outs.append(dead)
         for raw in released:
             event = self.codec.decode(raw)
             record = {**event.record,
@@ -440,16 +463,11 @@ class SchedulerProcessor(_Adapter):
 
     def _convert(self, results: list[Any], outs: list[OutRecord], rec: InRecord | None,
                  header: dict[str, Any]) -> None:
-        from trajbus.consumers.scheduler.core import DecisionOut
-
         for r in results:
             if isinstance(r, DecisionOut):
-                metrics.DECISIONS.labels(r.decision).inc()
-                event = r.to_model(self.producer_id)
-                outs.append(OutRecord(self.topics.decisions, event.header.sandbox.encode(),
-                                      event.encode()))
-            elif rec is not None:
-                outs.append(self.dead_letter(rec, r.reason_code, r.reason, header=header))
+                outs.append(self.decision_out(r))
+            elif (dead := self.dead_out(r, rec, header)) is not None:
+                outs.append(dead)
 
     def take_dirty(self) -> dict[str, bytes | None]:
         dirty = self.core.take_dirty()
@@ -534,7 +552,7 @@ class WatchdogProcessor(_Adapter):
                  header: dict[str, Any]) -> None:
         if not results:  # most events: nothing to convert (and no import to look up)
             return
-        from trajbus.consumers.watchdog.core import AlertOut, DecisionOut, to_model
+        from trajbus.consumers.watchdog.core import AlertOut, to_model
 
         for r in results:
             if isinstance(r, AlertOut):
@@ -542,11 +560,9 @@ class WatchdogProcessor(_Adapter):
                 outs.append(OutRecord(self.topics.alerts, r.sandbox.encode(),
                                       to_model(r, self.producer_id).encode()))
             elif isinstance(r, DecisionOut):
-                metrics.DECISIONS.labels(r.decision).inc()
-                outs.append(OutRecord(self.topics.decisions, r.sandbox.encode(),
-                                      to_model(r, self.producer_id).encode()))
-            elif rec is not None:
-                outs.append(self.dead_letter(rec, r.reason_code, r.reason, header=header))
+                outs.append(self.decision_out(r))
+            elif (dead := self.dead_out(r, rec, header)) is not None:
+                outs.append(dead)
 
     def take_dirty(self) -> dict[str, bytes | None]:
         return self.core.take_dirty()

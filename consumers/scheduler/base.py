@@ -10,7 +10,7 @@ import heapq
 from typing import TYPE_CHECKING, Any
 
 from trajbus.bus.settings import SchedulerSettings
-from trajbus.consumers.scheduler.outputs import DecisionOut, Output
+from trajbus.consumers.scheduler.outputs import DecisionOut, Output, decision_event_id
 from trajbus.consumers.scheduler.placement import NodeState, Placer
 from trajbus.consumers.scheduler.state import (
     _DRAIN,
@@ -83,11 +83,14 @@ class SchedulerBase:
         value = kind.value  # an enum property: read it once
         stats = self.stats
         stats[value] = stats.get(value, 0) + 1
+        now, cause_ids = self._now, tuple(filter(None, causes))
         out.append(DecisionOut(
-            decision=value, reason=reason, time_ms=self._now, seq=self._seq,
+            decision=value, reason=reason, time_ms=now, seq=self._seq,
+            event_id=decision_event_id(value, reason, now, sandbox, request_id, tenant, node,
+                                       cause_ids),
             sandbox=sandbox, task=task, node=node, tenant=tenant, request_id=request_id,
             suspicious=suspicious, scores=scores or {}, details=details or {},
-            cause_event_ids=tuple(filter(None, causes)),
+            cause_event_ids=cause_ids,
         ))
 
     def _anomaly(self, out: list[Output], reason: str, sandbox: str | None, task: str | None,

@@ -247,9 +247,10 @@ class SchedulerCore(LifecycleMixin, DrainMixin, AdmissionMixin, PersistenceMixin
                 try:
                     self._on_ack(record, out)
                 except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                    out.append(DeadLetterOut("invalid_record", f"{kind}: {exc!r}", kind))
+                    out.append(DeadLetterOut("invalid_record", f"{kind}: {exc!r}", kind=kind))
                 return out
-            return [DeadLetterOut("unknown_kind", f"scheduler does not consume {kind!r}", kind)]
+            return [DeadLetterOut("unknown_kind", f"scheduler does not consume {kind!r}",
+                                  kind=kind)]
         try:
             header = record["header"]
             t = header["event_time_ms"]
@@ -265,8 +266,8 @@ class SchedulerCore(LifecycleMixin, DrainMixin, AdmissionMixin, PersistenceMixin
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             eid = record.get("header", {}).get("event_id") if isinstance(record, dict) \
                 and isinstance(record.get("header"), dict) else None
-            out.append(DeadLetterOut("invalid_record", f"{kind}: {exc!r}", kind,
-                                     eid if isinstance(eid, str) else None))
+            out.append(DeadLetterOut("invalid_record", f"{kind}: {exc!r}", kind=kind,
+                                     event_id=eid if isinstance(eid, str) else None))
         return out
 
     def tick(self, now_ms: int, event_id: str | None = None) -> list[Output]:

@@ -76,7 +76,7 @@ class DrainMixin(SchedulerBase):
                 sb.seq_drained = seq
                 return
             out.append(DeadLetterOut("unknown_sandbox", f"drained for unknown sandbox {sid!r}",
-                                     "Drained", eid))
+                                     kind="Drained", event_id=eid))
             return
         if seq <= sb.seq_drained:
             self._count("duplicate")

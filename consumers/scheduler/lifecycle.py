@@ -112,7 +112,7 @@ class LifecycleMixin(SchedulerBase):
                 self._count("queued_heartbeat")
                 return
             out.append(DeadLetterOut("unknown_sandbox", f"heartbeat for unknown sandbox {sid!r}",
-                                     "Heartbeat", h.get("event_id")))
+                                     kind="Heartbeat", event_id=h.get("event_id")))
             return
         seq = h["seq"]
         if type(seq) is not int:
@@ -147,7 +147,7 @@ class LifecycleMixin(SchedulerBase):
                 self._count("queued_probe")
                 return
             out.append(DeadLetterOut("unknown_sandbox", f"probe for unknown sandbox {sid!r}",
-                                     "LivenessProbe", h.get("event_id")))
+                                     kind="LivenessProbe", event_id=h.get("event_id")))
             return
         seq = h["seq"]
         if type(seq) is not int:
@@ -185,7 +185,7 @@ class LifecycleMixin(SchedulerBase):
             if sid not in self._queued:
                 out.append(DeadLetterOut("unknown_sandbox",
                                          f"release for unknown sandbox {sid!r}",
-                                         "TrainerRelease", eid))
+                                         kind="TrainerRelease", event_id=eid))
                 return
             self._withdraw_queued(
                 sid, out, "request withdrawn by the trainer while queued (never placed)", [eid])
@@ -204,7 +204,7 @@ class LifecycleMixin(SchedulerBase):
         eid = h.get("event_id") or ""
         if sb is None and sid not in self._queued:
             out.append(DeadLetterOut("unknown_sandbox", f"alert for unknown sandbox {sid!r}",
-                                     "WatchdogAlert", eid))
+                                     kind="WatchdogAlert", event_id=eid))
             return
         if sb is not None and (sb.state == RECYCLED or sb.suspicious):
             return
@@ -238,7 +238,8 @@ class LifecycleMixin(SchedulerBase):
         sb = self._sb.get(sid)
         if sb is None and sid not in self._queued:
             out.append(DeadLetterOut("unknown_sandbox", f"decision ack for unknown sandbox "
-                                     f"{sid!r}", "DecisionAck", h.get("event_id")))
+                                     f"{sid!r}", kind="DecisionAck",
+                                     event_id=h.get("event_id")))
             return
         outcome = rec["outcome"]
         if outcome == "DONE":

@@ -1,5 +1,7 @@
 """The reorder core's vocabulary: its input event, its outputs, and the deterministic ids and
-records built from them (the contract of :mod:`trajbus.consumers.replay.core`)."""
+records built from them (the contract of :mod:`trajbus.consumers.replay.core`). Dead letters
+and the content digest are the ones every core shares (:mod:`trajbus.consumers.outputs`,
+:mod:`trajbus.bus.digest`)."""
 
 from __future__ import annotations
 
@@ -7,20 +9,21 @@ import hashlib
 import uuid
 from typing import Any, NamedTuple, TypeAlias
 
-DIGEST_SIZE = 8
+from trajbus.bus.digest import DIGEST_SIZE, content_digest
+from trajbus.consumers.outputs import DeadLetterOut, Origin
+
+__all__ = [
+    "CLOCK_KEY", "DIGEST_SIZE", "HELD_PREFIX", "SEGMENT_NAMESPACE", "DeadLetterOut", "Held",
+    "InEvent", "LateOut", "Origin", "Output", "SegmentOut", "content_digest", "episode_key",
+    "replay_segment", "segment_event_id", "segment_record",
+]
+
 SEGMENT_NAMESPACE = uuid.UUID("6f2b8c1e-3d1a-5b7e-9c4f-2a7d0e5b8f13")
 CLOCK_KEY = "@clock"
 HELD_PREFIX = "@held/"
 """Changelog key prefix of a sandbox's held events (``"@held/<sandbox>"``)."""
 
 _tnew = tuple.__new__
-
-
-def content_digest(raw: bytes) -> int:
-    """The content digest the core compares for duplicates: blake2b-64 of the raw bytes as
-    an unsigned int (never 0, which marks declared-missing seqs)."""
-    d = int.from_bytes(hashlib.blake2b(raw, digest_size=DIGEST_SIZE).digest(), "little")
-    return d or 1
 
 
 def segment_event_id(sandbox: str, episode: str, segment_index: int) -> str:
@@ -139,24 +142,6 @@ class LateOut(NamedTuple):
     reason_code: str  # after_gap | after_close | sandbox_recycled
 
 
-class DeadLetterOut(NamedTuple):
-    """Input the core refuses, with a stable reason code and a human reason."""
-
-    reason_code: str
-    reason: str
-    raw: bytes
-    task: str
-    sandbox: str
-    episode: str | None
-    seq: int
-    conflicting_with: bytes | None = None
-    """For ``conflicting_duplicate``: the version that was kept, when still buffered."""
-    origin: tuple[str, int, int, bytes | None, int] | None = None
-    """For an event judged after it was held: its source record's (topic, partition, offset,
-    key, log time), as the shell passed them to :meth:`ReorderCore.handle`."""
-
-
-Origin: TypeAlias = tuple[str, int, int, bytes | None, int]
 Held: TypeAlias = tuple[int, InEvent, Origin | None]
 """An event held for the per-sandbox limit: (arrival, event, origin)."""
 

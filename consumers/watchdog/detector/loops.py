@@ -90,18 +90,18 @@ class LoopRule:
             outs.append(DecisionOut(
                 decision="TERMINATE", task=st.task, sandbox=st.sandbox, episode=st.episode,
                 reason=f"watchdog loop: {reason}", suspicious=True,
-                details=(
-                    ("alert_event_id", alert_id),
-                    ("cycle_length", str(length)),
-                    ("distinct_results", str(changes)),
-                    ("episode", st.episode or ""),
-                    ("first_seq", str(first_seq)),
-                    ("last_seq", str(seq)),
-                    ("pattern", " ".join(pattern)),
-                    ("repeat_count", str(repeats)),
-                    ("span_ms", str(span)),
-                ),
-                cause_event_ids=(event_id, alert_id), seq=seq, event_time_ms=t,
+                details={
+                    "alert_event_id": alert_id,
+                    "cycle_length": str(length),
+                    "distinct_results": str(changes),
+                    "episode": st.episode or "",
+                    "first_seq": str(first_seq),
+                    "last_seq": str(seq),
+                    "pattern": " ".join(pattern),
+                    "repeat_count": str(repeats),
+                    "span_ms": str(span),
+                },
+                cause_event_ids=(event_id, alert_id), seq=seq, time_ms=t,
                 event_id=output_event_id("TERMINATE", st.sandbox, st.episode, first_seq, length),
             ))
         return outs

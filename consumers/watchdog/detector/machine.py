@@ -186,9 +186,9 @@ class WatchdogCore(LoopRule, LogTimers, Tracking):
         try:
             st = self._load(blob)
         except (ValueError, TypeError, KeyError, IndexError) as exc:
-            return DeadLetterOut("bad_state", f"cannot restore {key!r}: {exc}", "state")
+            return DeadLetterOut("bad_state", f"cannot restore {key!r}: {exc}", kind="state")
         if st.key != key:
-            return DeadLetterOut("bad_state", f"state key {st.key!r} != {key!r}", "state")
+            return DeadLetterOut("bad_state", f"state key {st.key!r} != {key!r}", kind="state")
         old = self._streams.get(key)
         if old is not None:
             self._drop(old)

@@ -1,11 +1,17 @@
-"""The watchdog's outputs (alerts, decisions, dead letters), their deterministic event ids,
-their schema records and the state key of a stream (see :mod:`trajbus.consumers.watchdog.core`)."""
+"""The watchdog's outputs (alerts; decisions and dead letters, the cores' shared
+:mod:`trajbus.consumers.outputs`), their deterministic event ids, their schema records and the
+state key of a stream (see :mod:`trajbus.consumers.watchdog.core`)."""
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
 from typing import Any
+
+from trajbus.consumers.outputs import DeadLetterOut, DecisionOut
+
+__all__ = ["EVENT_ID_NAMESPACE", "AlertOut", "DeadLetterOut", "DecisionOut", "Output",
+           "output_event_id", "state_key", "to_model"]
 
 #: uuid5 namespace of every watchdog output event id.
 EVENT_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://trajbus/watchdog")
@@ -41,37 +47,6 @@ class AlertOut:
     cause_event_ids: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class DecisionOut:
-    """A SchedulingDecision (TERMINATE, suspicious) requested by a LOOP alert."""
-
-    decision: str
-    task: str
-    sandbox: str
-    episode: str | None
-    reason: str
-    suspicious: bool
-    details: tuple[tuple[str, str], ...]
-    cause_event_ids: tuple[str, ...]
-    seq: int
-    event_time_ms: int
-    event_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class DeadLetterOut:
-    """Input the core refused. Identity fields are filled when they could be read."""
-
-    reason_code: str
-    reason: str
-    kind: str
-    event_id: str | None = None
-    task: str | None = None
-    sandbox: str | None = None
-    episode: str | None = None
-    seq: int | None = None
-
-
 Output = AlertOut | DecisionOut | DeadLetterOut
 
 
@@ -85,13 +60,9 @@ def output_event_id(kind: str, sandbox: str, episode: str | None, seq: int, cycl
 def to_model(out: AlertOut | DecisionOut, producer_id: str) -> Any:
     """The :mod:`trajbus.schemas.models` record (``WatchdogAlert`` or ``SchedulingDecision``)
     for an output. Deterministic: same output and producer id, same encoded bytes."""
-    from trajbus.schemas.models import (
-        AlertKind,
-        DecisionKind,
-        Envelope,
-        SchedulingDecision,
-        WatchdogAlert,
-    )
+    if isinstance(out, DecisionOut):
+        return out.to_model(producer_id)
+    from trajbus.schemas.models import AlertKind, Envelope, WatchdogAlert
 
     header = Envelope(
         event_id=out.event_id, task=out.task, sandbox=out.sandbox, episode=out.episode,
@@ -103,12 +74,6 @@ def to_model(out: AlertOut | DecisionOut, producer_id: str) -> Any:
             repeat_count=out.repeat_count, span_ms=out.span_ms, first_seq=out.first_seq,
             last_seq=out.last_seq, distinct_results=out.distinct_results, dry_run=out.dry_run,
             reason=out.reason,
-        )
-    if isinstance(out, DecisionOut):
-        return SchedulingDecision(
-            header=header, decision=DecisionKind(out.decision), reason=out.reason,
-            suspicious=out.suspicious, details=dict(out.details),
-            cause_event_ids=list(out.cause_event_ids),
         )
     raise TypeError(f"no model for {type(out).__name__}")
 
