@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from trajbus.bus import clients as clients_mod
 from trajbus.bus.settings import KafkaSettings, Settings
 from trajbus.consumers.engine import runner as runner_mod
 from trajbus.consumers.engine.runner import ProcessorSpec, Runner
@@ -52,8 +53,8 @@ def test_the_worker_consumer_heartbeats_at_the_setting(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(runner_mod, "check_broker", nothing)
     monkeypatch.setattr(Runner, "_prepare_topics", nothing)
-    monkeypatch.setattr(runner_mod, "AIOKafkaProducer", Producer)
-    monkeypatch.setattr(runner_mod, "AIOKafkaConsumer", consumer)
+    monkeypatch.setattr(clients_mod, "AIOKafkaProducer", Producer)
+    monkeypatch.setattr(clients_mod, "AIOKafkaConsumer", consumer)
     settings = Settings(kafka=KafkaSettings(heartbeat_interval_ms=700))
     r = Runner(settings, ProcessorSpec(name="hb", input_topics=["in"], factory=lambda: None))
     with pytest.raises(_Built):
