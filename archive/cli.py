@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from trajbus.archive import layout
+from trajbus.bus.cliargs import add_command, add_flags, add_target
 
 ARCHIVE_HELP = """\
 The Parquet archive of every sandbox event and trace chunk, and of the decision context:
@@ -85,15 +86,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    "default TRAJBUS_ARCHIVE__S3_ENDPOINT_URL")
     sub = p.add_subparsers(dest="archive_cmd", required=True, metavar="COMMAND")
 
-    r = sub.add_parser("run", help="consume the raw event topics and the decision context "
-                       "into the archive",
-                       description="Consume sandbox events and trace chunks, and the decision "
-                       "context (scheduling decisions, watchdog alerts, dead letters) into "
-                       "decisions/, alerts/, dead_letters/ (one consumer "
-                       "group per destination, see --group), write Parquet objects + index, and "
-                       "commit offsets only after the objects are durable. Stops on "
-                       "SIGINT/SIGTERM after "
-                       "flushing open batches.")
+    r = add_command(sub, "run", _cmd_run, key="archive_func",
+                    help="consume the raw event topics and the decision context into the archive")
     r.add_argument("--until-idle", "--once", action="store_true", dest="until_idle",
                    help="stop once caught up with the end offsets seen at start (demo, tests)")
     r.add_argument("--group", help="consumer group (default: one per destination, derived from "
@@ -103,66 +97,36 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
     add_ops_arguments(r)
     r.add_argument("-v", "--verbose", action="store_true", help="log progress")
-    r.set_defaults(archive_func=_cmd_run)
 
-    e = sub.add_parser("episode", help="print one episode's events in sequence order",
-                       description="Find the episode through the index, read only its row "
-                       "groups, print its events ordered by seq (duplicates removed).")
-    e.add_argument("--task", required=True, help="the episode's task")
-    e.add_argument("--sandbox", required=True, help="sandbox id")
-    e.add_argument("--episode", help="episode id; omit for the sandbox's lifecycle stream")
-    e.add_argument("--json", action="store_true", help="one JSON object per line (bytes as "
-                   "base64) instead of a table")
+    e = add_command(sub, "episode", _cmd_episode, key="archive_func",
+                    help="print one episode's events in sequence order")
+    add_target(e, task="the episode's task",
+               episode="episode id; omit for the sandbox's lifecycle stream")
+    add_flags(e, json="one JSON object per line (bytes as base64) instead of a table")
     e.add_argument("--trace-out", metavar="FILE", help="also reassemble the episode's trace "
                    "file from its TraceChunk events into FILE (chunks stored as claim-check "
                    "blobs are fetched and verified against their sha256)")
-    e.add_argument("--no-blobs", action="store_true", help="with --trace-out: write the inline "
-                   "chunks only, listing the claim-check blobs left out")
-    e.set_defaults(archive_func=_cmd_episode)
+    add_flags(e, no_blobs="with --trace-out: write the inline chunks only, listing the "
+              "claim-check blobs left out")
 
-    s = sub.add_parser("sql", help="run SQL with DuckDB over the archive",
-                       description=_sql_help(),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = add_command(sub, "sql", _cmd_sql, key="archive_func",
+                    help="run SQL with DuckDB over the archive", description=_sql_help())
     s.add_argument("query", help='e.g. "SELECT kind, count(*) FROM events GROUP BY kind"')
-    s.add_argument("--json", action="store_true", help="JSON lines output")
-    s.set_defaults(archive_func=_cmd_sql)
+    add_flags(s, json="JSON lines output")
 
-    ep = sub.add_parser("episodes", help="the episode table: one row per episode",
-                        description="One row per (task, sandbox, episode) across topics and "
-                        "objects: seq range, event count, start/end time, outcome, "
-                        "completeness (complete / truncated / has_gaps / in_progress), the "
-                        "gap ranges and the ending (complete / truncated / terminated / "
-                        "in_progress, truncated_by, terminate_decision_id). Printed as JSON "
-                        "lines, written to --out, or published into "
-                        "the archive as plain Parquet (episodes/episodes.parquet) with "
-                        "--publish. `trajbus archive sql` has it as the view 'episodes'.")
+    ep = add_command(sub, "episodes", _cmd_episodes, key="archive_func",
+                     help="the episode table: one row per episode")
     ep.add_argument("--task", help="only this task")
     ep.add_argument("--out", metavar="FILE", help="write the table to this Parquet file")
-    ep.add_argument("--publish", action="store_true",
-                    help="write it to episodes/episodes.parquet in the archive")
-    ep.set_defaults(archive_func=_cmd_episodes)
+    add_flags(ep, publish="write it to episodes/episodes.parquet in the archive")
 
-    x = sub.add_parser("context", help="one episode's decision context: outcome, decisions, "
-                       "alerts, dead letters, acks, lifecycle",
-                       description="How an episode ended and why, from the archive alone: its "
-                       "ending (complete / truncated / terminated / in_progress) and "
-                       "truncated_by / terminate_decision_id, the decisions about it or its "
-                       "sandbox (with who decided: scheduler or watchdog), the watchdog's "
-                       "alerts, its dead letters, the runtime's acknowledgements and the "
-                       "sandbox's lifecycle. Without --episode: the sandbox's.")
-    x.add_argument("--task", required=True, help="the episode's task")
-    x.add_argument("--sandbox", required=True, help="sandbox id")
-    x.add_argument("--episode", help="episode id; omit for the whole sandbox")
-    x.set_defaults(archive_func=_cmd_context)
+    x = add_command(sub, "context", _cmd_context, key="archive_func",
+                    help="one episode's decision context: outcome, decisions, alerts, dead "
+                    "letters, acks, lifecycle")
+    add_target(x, task="the episode's task", episode="episode id; omit for the whole sandbox")
 
-    c = sub.add_parser("compact", help="merge small objects; swap them in atomically",
-                       description="Merge small objects of each (area, date, hour, task) "
-                       "(events/ and the decision context's areas) into large "
-                       "ones, then switch the manifest pointer in one write: readers see the old "
-                       "set or the new set, never both. Replaced objects are deleted by a later "
-                       "run once --grace-seconds have passed, so a snapshot a reader took "
-                       "before the switch (`trajbus archive files`, "
-                       "trajbus.archive.snapshot) stays readable that long.")
+    c = add_command(sub, "compact", _cmd_compact, key="archive_func",
+                    help="merge small objects; swap them in atomically")
     c.add_argument("--target-mb", type=float, default=None,
                    help="output object size (default: TRAJBUS_ARCHIVE__TARGET_OBJECT_BYTES)")
     c.add_argument("--min-age-hours", type=float, default=2.0,
@@ -171,32 +135,21 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="delete replaced objects only this long after the switch (default "
                    "3600): a snapshot taken before the switch stays readable that long")
     c.add_argument("--task", help="only this task")
-    c.add_argument("--dry-run", action="store_true", help="report, change nothing")
-    c.set_defaults(archive_func=_cmd_compact)
+    add_flags(c, dry_run="report, change nothing")
 
-    f = sub.add_parser("files", help="the live objects to read: a consistent snapshot",
-                       description="Print the live objects of an area (one path per line: a "
-                       "local path or s3://bucket/key), resolved through the compaction "
-                       "manifest once: exact while `archive compact` and `archive run` write "
-                       "(a raw glob over events/ is not). Feed them to any Parquet reader "
-                       "(hive partitions: date, hour, task; Spark: basePath = the area's "
-                       "directory, printed by --json). They stay readable for the compaction's "
-                       "--grace-seconds after a newer switch.")
+    f = add_command(sub, "files", _cmd_files, key="archive_func",
+                    help="the live objects to read: a consistent snapshot")
     f.add_argument("--area", default="events",
                    choices=[*layout.DATA_AREAS, "conflicts", *layout.INDEX_AREAS],
                    help="events (default), decisions, alerts, dead_letters, conflicts, or an "
                    "index area (index, decisions_index, ...)")
-    f.add_argument("--json", action="store_true",
-                   help="one JSON object: generation, base, files")
-    f.set_defaults(archive_func=_cmd_files)
+    add_flags(f, json="one JSON object: generation, base, files")
 
-    t = sub.add_parser("retention", help="delete archive partitions older than N days",
-                       description="Delete data and index objects whose date partition is older "
-                       "than N days (UTC). Use --dry-run first: it lists and deletes nothing.")
+    t = add_command(sub, "retention", _cmd_retention, key="archive_func",
+                    help="delete archive partitions older than N days")
     t.add_argument("--days", type=int, default=None,
                    help="keep this many days (default TRAJBUS_ARCHIVE__RETENTION_DAYS)")
-    t.add_argument("--dry-run", action="store_true", help="list what would be deleted")
-    t.set_defaults(archive_func=_cmd_retention)
+    add_flags(t, dry_run="list what would be deleted")
     p.set_defaults(func=_dispatch)
     return p
 
@@ -232,6 +185,11 @@ def _store(args: argparse.Namespace, *, ride_out_outages: bool = False,
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    """Consume sandbox events and trace chunks, and the decision context (scheduling
+    decisions, watchdog alerts, dead letters) into decisions/, alerts/, dead_letters/ (one
+    consumer group per destination, see --group), write Parquet objects + index, and commit
+    offsets only after the objects are durable. Stops on SIGINT/SIGTERM after flushing open
+    batches."""
     from trajbus.archive.archiver import ArchiverState, run_archiver
     from trajbus.bus.kafka import check_broker
     from trajbus.bus.ops import start_ops
@@ -275,6 +233,8 @@ def _jsonable(v: Any) -> Any:
 
 
 def _cmd_episode(args: argparse.Namespace) -> int:
+    """Find the episode through the index, read only its row groups, print its events ordered
+    by seq (duplicates removed)."""
     from trajbus.archive.query import ArchiveReader, fetch_row_blob, reassemble_trace
     from trajbus.archive.storage import StoreError
 
@@ -351,6 +311,11 @@ def _cmd_sql(args: argparse.Namespace) -> int:
 
 
 def _cmd_context(args: argparse.Namespace) -> int:
+    """How an episode ended and why, from the archive alone: its ending (complete / truncated /
+    terminated / in_progress) and truncated_by / terminate_decision_id, the decisions about it
+    or its sandbox (with who decided: scheduler or watchdog), the watchdog's alerts, its dead
+    letters, the runtime's acknowledgements and the sandbox's lifecycle. Without --episode:
+    the sandbox's."""
     from trajbus.archive.query import ArchiveReader
 
     ctx = ArchiveReader(_store(args)).context(args.task, args.sandbox, args.episode)
@@ -363,6 +328,12 @@ def _cmd_context(args: argparse.Namespace) -> int:
 
 
 def _cmd_episodes(args: argparse.Namespace) -> int:
+    """One row per (task, sandbox, episode) across topics and objects: seq range, event count,
+    start/end time, outcome, completeness (complete / truncated / has_gaps / in_progress), the
+    gap ranges and the ending (complete / truncated / terminated / in_progress, truncated_by,
+    terminate_decision_id). Printed as JSON lines, written to --out, or published into the
+    archive as plain Parquet (episodes/episodes.parquet) with --publish. `trajbus archive sql`
+    has it as the view 'episodes'."""
     import pyarrow.parquet as pq
 
     from trajbus.archive.episodes import publish_episodes
@@ -382,6 +353,11 @@ def _cmd_episodes(args: argparse.Namespace) -> int:
 
 
 def _cmd_compact(args: argparse.Namespace) -> int:
+    """Merge small objects of each (area, date, hour, task) (events/ and the decision context's
+    areas) into large ones, then switch the manifest pointer in one write: readers see the old
+    set or the new set, never both. Replaced objects are deleted by a later run once
+    --grace-seconds have passed, so a snapshot a reader took before the switch (`trajbus
+    archive files`, trajbus.archive.snapshot) stays readable that long."""
     from trajbus.archive.maintenance import compact
 
     cfg = _settings().archive
@@ -398,6 +374,11 @@ def _cmd_compact(args: argparse.Namespace) -> int:
 
 
 def _cmd_files(args: argparse.Namespace) -> int:
+    """Print the live objects of an area (one path per line: a local path or s3://bucket/key),
+    resolved through the compaction manifest once: exact while `archive compact` and `archive
+    run` write (a raw glob over events/ is not). Feed them to any Parquet reader (hive
+    partitions: date, hour, task; Spark: basePath = the area's directory, printed by --json).
+    They stay readable for the compaction's --grace-seconds after a newer switch."""
     from trajbus.archive.snapshot import describe, snapshot_of
 
     snap = snapshot_of(_store(args), args.area)
@@ -410,6 +391,8 @@ def _cmd_files(args: argparse.Namespace) -> int:
 
 
 def _cmd_retention(args: argparse.Namespace) -> int:
+    """Delete data and index objects whose date partition is older than N days (UTC). Use
+    --dry-run first: it lists and deletes nothing."""
     from trajbus.archive.maintenance import retention
 
     days = args.days if args.days is not None else _settings().archive.retention_days

@@ -5,97 +5,61 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import textwrap
 from typing import Any
 
+from trajbus.bus.cliargs import Commands, add_actions, add_command, add_flags
 from trajbus.bus.settings import get_settings, mask_url_credentials, read_settings
 from trajbus.bus.topics import Topics
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    topics = sub.add_parser(
-        "topics",
-        help="create or list trajbus's Kafka topics",
+def register(sub: Commands) -> None:
+    topics = add_command(
+        sub, "topics", help="create or list trajbus's Kafka topics",
         description="Manage the topic catalog (names, partitions, retention, compaction, "
-        "max message bytes). Creation is idempotent: existing topics are left alone.",
-    )
-    tsub = topics.add_subparsers(dest="topics_command", metavar="ACTION")
-    topics.set_defaults(help_parser=topics)
-    create = tsub.add_parser(
-        "create",
-        help="create missing topics (idempotent)",
-        description="Create every catalog topic that is missing, plus replay topics for the "
-        "given tasks, and register the bundled Avro schemas on the schema topic.",
-    )
+        "max message bytes). Creation is idempotent: existing topics are left alone.")
+    tsub = add_actions(topics, "topics_command")
+    create = add_command(tsub, "create", _topics_create,
+                         help="create missing topics (idempotent)")
     create.add_argument("--task", action="append", default=[], metavar="T",
                         help="also create the replay topic trajbus.replay.T (repeatable)")
-    create.set_defaults(func=_topics_create)
-    lst = tsub.add_parser(
-        "list", help="the topics on the broker: catalog, replay (per task), debug, state",
-        description="Ask the broker which topics exist under the prefix "
-        "(TRAJBUS_TOPICS__PREFIX) and print each with its partitions, retained offsets and "
-        "what it is for; catalog topics that are missing are listed too (create them with "
-        "`trajbus topics create`). Offsets include transaction markers, so on transactional "
-        "topics they slightly exceed the record count.")
-    lst.add_argument("--json", action="store_true", help="one JSON object per topic")
-    lst.set_defaults(func=_topics_list)
-    delete = tsub.add_parser(
-        "delete", help="delete debug replay topics made by `trajbus replay republish`",
-        description="Delete debug replay topics (<prefix>.replay.debug-TASK). Any other topic "
-        "is refused: catalog, replay and state topics hold the pipeline's data.",
-        epilog="examples:\n  trajbus topics delete debug-web-shop\n"
-        "  trajbus topics delete trajbus.replay.debug-web-shop\n"
-        "  trajbus topics delete --all-debug",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    lst = add_command(tsub, "list", _topics_list,
+                      help="the topics on the broker: catalog, replay (per task), debug, state")
+    add_flags(lst, json="one JSON object per topic")
+    delete = add_command(tsub, "delete", _topics_delete,
+                         help="delete debug replay topics made by `trajbus replay republish`",
+                         examples=("trajbus topics delete debug-web-shop",
+                                   "trajbus topics delete trajbus.replay.debug-web-shop",
+                                   "trajbus topics delete --all-debug"))
     delete.add_argument("names", nargs="*", metavar="TOPIC",
                         help="a debug topic's full name, or its task (debug-T, or T)")
-    delete.add_argument("--all-debug", action="store_true",
-                        help="delete every debug replay topic under the prefix")
-    delete.set_defaults(func=_topics_delete)
+    add_flags(delete, all_debug="delete every debug replay topic under the prefix")
 
-    schemas = sub.add_parser(
-        "schemas",
-        help="the Avro event schemas: list them, show one kind's fields",
-        description=textwrap.fill(
-            "The Avro schemas in schemas/avro are the contract. Without an action, lists "
-            "each schema's full name and CRC-64-AVRO fingerprint (the 8 bytes after C3 01 on "
-            "the wire); `schemas show KIND` prints the fields of one kind.", 90),
-        epilog="examples:\n  trajbus schemas\n  trajbus schemas show LivenessProbe\n"
-        "  trajbus schemas show trajbus.derived.SchedulingDecision --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    schemas.set_defaults(func=_schemas_list)
+    schemas = add_command(sub, "schemas", _schemas_list,
+                          help="the Avro event schemas: list them, show one kind's fields",
+                          examples=("trajbus schemas", "trajbus schemas show LivenessProbe",
+                                    "trajbus schemas show trajbus.derived.SchedulingDecision "
+                                    "--json"))
     ssub = schemas.add_subparsers(dest="schemas_command", metavar="ACTION")
-    slist = ssub.add_parser("list", help="each schema's full name and fingerprint (the default)",
-                            description="Each bundled schema's full name and CRC-64-AVRO "
-                            "fingerprint, one per line.")
-    slist.set_defaults(func=_schemas_list)
-    show = ssub.add_parser(
-        "show", help="the fields of one event kind: name, type, default, doc",
-        description=textwrap.fill(
-            "Print the Avro fields of one event kind: name, type, default (blank: required) "
-            "and doc; the envelope's fields as header.*. "
-            "KIND is the short name (LivenessProbe, case-insensitive) or the full name "
-            "(trajbus.events.LivenessProbe); an unknown kind is an error listing the kinds. "
-            "How the fields become archive columns: archive/README.md (Columns).", 90),
-        epilog="examples:\n  trajbus schemas show TraceChunk\n"
-        "  trajbus schemas show watchdogalert --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_command(ssub, "list", _schemas_list,
+                help="each schema's full name and fingerprint (the default)",
+                description="Each bundled schema's full name and CRC-64-AVRO fingerprint, one "
+                "per line.")
+    show = add_command(ssub, "show", _schemas_show,
+                       help="the fields of one event kind: name, type, default, doc",
+                       examples=("trajbus schemas show TraceChunk",
+                                 "trajbus schemas show watchdogalert --json"))
     show.add_argument("kind", metavar="KIND", help="event kind, e.g. LivenessProbe "
                       "(`trajbus schemas` lists them)")
-    show.add_argument("--json", action="store_true", help="print the schema's JSON document "
-                      "(the envelope inlined) instead of a table")
-    show.set_defaults(func=_schemas_show)
+    add_flags(show, json="print the schema's JSON document (the envelope inlined) instead of a "
+              "table")
 
-    config = sub.add_parser(
-        "config",
-        help="print the effective settings (defaults + TRAJBUS_ environment)",
-        description="Print the effective configuration as JSON; secrets are masked.",
-    )
-    config.set_defaults(func=_config)
+    add_command(sub, "config", _config,
+                help="print the effective settings (defaults + TRAJBUS_ environment)")
 
 
 def _topics_create(args: argparse.Namespace) -> int:
+    """Create every catalog topic that is missing, plus replay topics for the given tasks, and
+    register the bundled Avro schemas on the schema topic."""
     from trajbus.bus.admin import ensure_base_topics, register_schemas
     from trajbus.bus.kafka import check_broker
     from trajbus.bus.producer import close_producer
@@ -121,6 +85,10 @@ def _topics_create(args: argparse.Namespace) -> int:
 
 
 def _topics_list(args: argparse.Namespace) -> int:
+    """Ask the broker which topics exist under the prefix (TRAJBUS_TOPICS__PREFIX) and print
+    each with its partitions, retained offsets and what it is for; catalog topics that are
+    missing are listed too (create them with `trajbus topics create`). Offsets include
+    transaction markers, so on transactional topics they slightly exceed the record count."""
     from trajbus.bus.inventory import trajbus_topics
     from trajbus.bus.kafka import check_broker
 
@@ -156,6 +124,8 @@ def _topics_list(args: argparse.Namespace) -> int:
 
 
 def _topics_delete(args: argparse.Namespace) -> int:
+    """Delete debug replay topics (<prefix>.replay.debug-TASK). Any other topic is refused:
+    catalog, replay and state topics hold the pipeline's data."""
     from trajbus.bus.errors import UserError
     from trajbus.bus.inventory import delete_debug_topics, trajbus_topics
     from trajbus.bus.kafka import check_broker
@@ -181,6 +151,9 @@ def _topics_delete(args: argparse.Namespace) -> int:
 
 
 def _schemas_list(args: argparse.Namespace) -> int:
+    """The Avro schemas in schemas/avro are the contract. Without an action, lists each
+    schema's full name and CRC-64-AVRO fingerprint (the 8 bytes after C3 01 on the wire);
+    `schemas show KIND` prints the fields of one kind."""
     from trajbus.schemas.registry import default_registry
 
     reg = default_registry()
@@ -190,6 +163,11 @@ def _schemas_list(args: argparse.Namespace) -> int:
 
 
 def _schemas_show(args: argparse.Namespace) -> int:
+    """Print the Avro fields of one event kind: name, type, default (blank: required) and doc;
+    the envelope's fields as header.*. KIND is the short name (LivenessProbe,
+    case-insensitive) or the full name (trajbus.events.LivenessProbe); an unknown kind is an
+    error listing the kinds. How the fields become archive columns: archive/README.md
+    (Columns)."""
     from trajbus.bus.errors import NotFoundError
     from trajbus.schemas.registry import default_registry, describe_fields
 
@@ -218,6 +196,7 @@ def _schemas_show(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
+    """Print the effective configuration as JSON; secrets are masked."""
     data = read_settings().model_dump(mode="json")
     if data["kafka"].get("sasl_password"):
         data["kafka"]["sasl_password"] = "***"

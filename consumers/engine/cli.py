@@ -12,6 +12,7 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
+from trajbus.bus.cliargs import Commands, add_actions, add_command, add_flags
 from trajbus.bus.settings import Settings, get_settings
 
 PROCESSORS = ("reorder", "watchdog", "scheduler")
@@ -54,22 +55,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--engine", default=None, help=argparse.SUPPRESS)
     w.set_defaults(func=_worker)
 
-    r = sub.add_parser("replay", help="trainer-side replay: tail a task's replay topic",
-                       description="Commands for ordered episode replay.")
-    rsub = r.add_subparsers(dest="replay_command", metavar="ACTION")
-    r.set_defaults(help_parser=r)
-    t = rsub.add_parser(
-        "tail",
-        help="print replay segments of a task as they arrive",
-        description="Subscribe to trajbus.replay.TASK like a trainer would (the ReplayClient: "
-        "ordered, deduplicated, committed after acknowledgement) and print each segment. A task "
-        "whose replay topic does not exist yet is waited for (said once on stderr), so tail can "
-        "start before the fleet.",
-        epilog="examples:\n  trajbus replay tail --task web-shop\n"
-        "  trajbus replay tail --all-tasks --from -10m --idle-exit 30\n"
-        "  trajbus replay tail --task web-shop --group trainer-7 --from end",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    r = add_command(sub, "replay", help="trainer-side replay: tail a task's replay topic",
+                    description="Commands for ordered episode replay.")
+    rsub = add_actions(r, "replay_command")
+    t = add_command(rsub, "tail", _replay_tail,
+                    help="print replay segments of a task as they arrive",
+                    examples=("trajbus replay tail --task web-shop",
+                              "trajbus replay tail --all-tasks --from -10m --idle-exit 30",
+                              "trajbus replay tail --task web-shop --group trainer-7 --from end"))
     which = t.add_mutually_exclusive_group(required=True)
     which.add_argument("--task", action="append", default=[],
                        help="task to follow (repeatable)")
@@ -82,15 +75,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where to start: beginning, end, resume (the group's committed "
                    "offsets), or a time (ISO-8601, epoch ms, -1h); default: resume with "
                    "--group, else beginning")
-    t.add_argument("--json", action="store_true", help="one JSON object per segment")
+    add_flags(t, json="one JSON object per segment")
     t.add_argument("--idle-exit", type=float, default=None, metavar="SECONDS",
                    help="exit after no data for this long (exit 1 if a named task's replay "
                    "topic never appeared)")
-    t.set_defaults(func=_replay_tail)
     register_replay_more(rsub)
 
 
-def register_replay_more(rsub: argparse._SubParsersAction) -> None:
+def register_replay_more(rsub: Commands) -> None:
     """Operators' replay subcommands: events, explain, republish, waterfall."""
     try:
         from trajbus.consumers.operator import cli as operator_cli
@@ -156,6 +148,10 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _replay_tail(args: argparse.Namespace) -> int:
+    """Subscribe to trajbus.replay.TASK like a trainer would (the ReplayClient: ordered,
+    deduplicated, committed after acknowledgement) and print each segment. A task whose replay
+    topic does not exist yet is waited for (said once on stderr), so tail can start before the
+    fleet."""
     import uuid
 
     from trajbus.bus.errors import existing

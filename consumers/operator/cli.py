@@ -15,142 +15,70 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trajbus.bus.cliargs import Commands, add_actions, add_command, add_flags, add_target
 from trajbus.bus.settings import get_settings
 
-_RAW = argparse.RawDescriptionHelpFormatter
 
-
-def register_replay(rsub: argparse._SubParsersAction) -> None:
+def register_replay(rsub: Commands) -> None:
     """Add ``events``, ``explain``, ``republish`` and ``waterfall`` to ``trajbus replay``."""
-    e = rsub.add_parser(
-        "events", help="a sandbox's event timeline (from Kafka or the archive)",
-        formatter_class=_RAW,
-        description="Print what a sandbox did: its lifecycle, heartbeats, probes, tool calls "
-        "and results, trace chunks, episode starts and ends, one line each.\n\n"
-        "Reads the raw input topics (sandbox events and trace chunks) from the beginning up to "
-        "their current end (bounded: it terminates while producers keep writing), keeps the "
-        "sandbox's events, drops duplicates by event id and orders them: sandbox-level events "
-        "by time, then each episode (earliest first) by sequence number.",
-        epilog="examples:\n"
-        "  trajbus replay events --sandbox sb-17\n"
-        "  trajbus replay events --sandbox sb-17 --episode ep-3 --expand\n"
-        "  trajbus replay events --sandbox sb-17 --from 2025-01-01T10:00 --to 2025-01-01T11:00\n"
-        "  trajbus replay events --sandbox sb-17 --json | jq .summary")
-    e.add_argument("--sandbox", required=True, help="sandbox id")
-    e.add_argument("--episode", default=None, help="only this episode's events")
+    e = add_command(rsub, "events", _events,
+                    help="a sandbox's event timeline (from Kafka or the archive)",
+                    examples=("trajbus replay events --sandbox sb-17",
+                              "trajbus replay events --sandbox sb-17 --episode ep-3 --expand",
+                              "trajbus replay events --sandbox sb-17 --from 2025-01-01T10:00 "
+                              "--to 2025-01-01T11:00",
+                              "trajbus replay events --sandbox sb-17 --json | jq .summary"))
+    add_target(e, episode="only this episode's events")
     e.add_argument("--from", dest="from_", default=None, metavar="ISO",
                    help="only events at or after this time (ISO-8601, UTC if no zone; or "
                    "epoch ms)")
     e.add_argument("--to", default=None, metavar="ISO",
                    help="only events at or before this time (ISO-8601 or epoch ms)")
     _add_source(e)
-    e.add_argument("--json", action="store_true",
-                   help="one JSON object per event (with the decoded record)")
-    e.add_argument("--expand", action="store_true",
-                   help="show trace chunks' text (and, with --json, bytes as base64)")
-    e.set_defaults(func=_events)
+    add_flags(e, json="one JSON object per event (with the decoded record)",
+              expand="show trace chunks' text (and, with --json, bytes as base64)")
 
-    x = rsub.add_parser(
-        "explain", help="why the processors decided what they did about a sandbox",
-        formatter_class=_RAW,
-        description="Re-run the scheduler (and the watchdog, when built) over the retained "
-        "log with the same code the workers run, and list every decision and alert about the "
-        "sandbox with the events that caused it. Then compare with what was recorded on the "
-        "decisions and alerts topics by event id (ids are deterministic) and list divergences: "
-        "recorded but not reproduced, reproduced but not recorded, same id with different "
-        "content.\n\n"
-        "Input order: the live interleaving of partitions is not recorded; the re-run merges "
-        "partitions by record timestamp (each in offset order), the best available "
-        "approximation. Reads every input of the scheduler (it is global), so it costs a full "
-        "read of the retained log.\n\n"
-        "Exit status: 0 consistent, 3 divergences found.")
-    x.add_argument("--sandbox", required=True, help="sandbox id")
-    x.add_argument("--json", action="store_true", help="the explanation as one JSON object")
-    x.set_defaults(func=_explain)
+    x = add_command(rsub, "explain", _explain,
+                    help="why the processors decided what they did about a sandbox")
+    add_target(x)
+    add_flags(x, json="the explanation as one JSON object")
 
-    p = rsub.add_parser(
-        "republish", help="re-emit an episode to a debug replay topic for a trainer",
-        formatter_class=_RAW,
-        description="Read one episode from the log and publish it as replay segments (events "
-        "in sequence order, duplicates dropped; split only at sequence gaps and size limits) "
-        "to a debug replay topic, by default trajbus.replay.debug-TASK. A trainer reads it "
-        "like any replay topic by subscribing to the task 'debug-TASK', e.g.\n"
-        "  ReplayClient(['debug-TASK'], group_id='my-debug')\n"
-        "  trajbus replay tail --task debug-TASK\n"
-        "Republishing twice produces segments with the same event ids; the ReplayClient "
-        "drops the second copy.")
-    p.add_argument("--task", required=True, help="the episode's task (names the debug topic)")
-    p.add_argument("--sandbox", required=True, help="sandbox id")
-    p.add_argument("--episode", required=True, help="episode id")
+    p = add_command(rsub, "republish", _republish,
+                    help="re-emit an episode to a debug replay topic for a trainer")
+    add_target(p, task="the episode's task (names the debug topic)", episode="episode id",
+               episode_required=True)
     p.add_argument("--to-topic", default=None, metavar="TOPIC",
                    help="target topic (default: <prefix>.replay.debug-TASK)")
     _add_source(p)
-    p.set_defaults(func=_republish)
 
-    w = rsub.add_parser(
-        "waterfall", help="an episode's step-time waterfall (where the time went) as HTML/PNG",
-        formatter_class=_RAW,
-        description="Per tool call: ToolCall -> ToolResult duration (matched by call id), the "
-        "gaps between steps as agent think time, and each tool's share of the episode. The "
-        "HTML report is one self-contained file (inline CSS and SVG, no script, no network). "
-        "--png needs matplotlib or a headless Chromium (chromium / chromium-headless-shell on "
-        "PATH, or TRAJBUS_CHROMIUM).")
-    w.add_argument("--sandbox", required=True, help="sandbox id")
-    w.add_argument("--episode", required=True, help="episode id")
+    w = add_command(rsub, "waterfall", _waterfall,
+                    help="an episode's step-time waterfall (where the time went) as HTML/PNG")
+    add_target(w, episode="episode id", episode_required=True)
     w.add_argument("--out", required=True, type=Path, metavar="report.html",
                    help="where to write the HTML report")
     w.add_argument("--png", default=None, type=Path, metavar="out.png",
                    help="also write a PNG image")
     _add_source(w)
-    w.set_defaults(func=_waterfall)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Commands) -> None:
     """Add the top-level ``status``, ``scheduler status`` and ``watchdog explain``."""
-    s = sub.add_parser(
-        "status", help="is a worker running; processors' lag, dead letters, replay topics",
-        description="For each processor (reorder, watchdog, scheduler): its consumer group's "
-        "live members (which worker holds which partitions; none means no worker runs it) "
-        "and its lag per input topic in records (transaction markers excluded: a caught-up "
-        "processor shows 0). Then the dead letters retained and the replay topics with their "
-        "segment counts.")
-    s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.set_defaults(func=_status)
+    s = add_command(sub, "status", _status,
+                    help="is a worker running; processors' lag, dead letters, replay topics")
+    add_flags(s, json="print one JSON object")
 
-    sch = sub.add_parser("scheduler", help="inspect the scheduler's state",
-                         description="Inspect the scheduler processor's state.")
-    sch.set_defaults(help_parser=sch)
-    ssub = sch.add_subparsers(dest="scheduler_command", metavar="ACTION")
-    st = ssub.add_parser(
-        "status", help="sandboxes by state, expiring leases, queues, node headroom",
-        description="Rebuild the scheduler's state from its committed changelog topic "
-        "(<prefix>.scheduler.state, what a restarted worker would load) and print: sandboxes "
-        "by lifecycle state, leases close to expiry, draining sandboxes, queued requests and "
-        "credit per tenant, nodes by headroom. Times are the scheduler's own clock (the "
-        "latest event time it processed).")
-    st.add_argument("--json", action="store_true", help="print core.status() as JSON")
-    st.set_defaults(func=_scheduler_status)
+    sch = add_command(sub, "scheduler", help="inspect the scheduler's state",
+                      description="Inspect the scheduler processor's state.")
+    st = add_command(add_actions(sch, "scheduler_command"), "status", _scheduler_status,
+                     help="sandboxes by state, expiring leases, queues, node headroom")
+    add_flags(st, json="print core.status() as JSON")
 
-    wd = sub.add_parser("watchdog", help="inspect the watchdog's loop detection",
-                        description="Inspect the watchdog processor.")
-    wd.set_defaults(help_parser=wd)
-    wsub = wd.add_subparsers(dest="watchdog_command", metavar="ACTION")
-    we = wsub.add_parser(
-        "explain", help="why the loop rule fired or not for a sandbox",
-        description="By default, from the live state (restored from <prefix>.watchdog.state; "
-        "ended episodes are no longer tracked there): for each tracked stream (episode), the "
-        "loop thresholds and, for every cycle length, the current repetition window (pattern, "
-        "repeats, span, result changes) with what keeps it from firing.\n\n"
-        "--from-log re-runs the watchdog over the sandbox's events and tells each episode's "
-        "story: the moment each alert fired (the window that fired and the calls that are "
-        "its evidence, the decision it requested), the loop's end, and the state just before "
-        "the episode ended (or at the end of the log, for an episode cut short).",
-        formatter_class=_RAW)
-    we.add_argument("--sandbox", required=True, help="sandbox id")
-    we.add_argument("--episode", default=None, help="only this episode")
-    we.add_argument("--from-log", action="store_true",
-                    help="re-run over the sandbox's events: each alert at the moment it fired")
-    we.set_defaults(func=_watchdog_explain)
+    wd = add_command(sub, "watchdog", help="inspect the watchdog's loop detection",
+                     description="Inspect the watchdog processor.")
+    we = add_command(add_actions(wd, "watchdog_command"), "explain", _watchdog_explain,
+                     help="why the loop rule fired or not for a sandbox")
+    add_target(we, episode="only this episode")
+    add_flags(we, from_log="re-run over the sandbox's events: each alert at the moment it fired")
 
 
 def _add_source(p: argparse.ArgumentParser) -> None:
@@ -161,6 +89,13 @@ def _add_source(p: argparse.ArgumentParser) -> None:
 
 # -- handlers --------------------------------------------------------------------------------
 def _events(args: argparse.Namespace) -> int:
+    """Print what a sandbox did: its lifecycle, heartbeats, probes, tool calls and results,
+    trace chunks, episode starts and ends, one line each.
+
+    Reads the raw input topics (sandbox events and trace chunks) from the beginning up to their
+    current end (bounded: it terminates while producers keep writing), keeps the sandbox's
+    events, drops duplicates by event id and orders them: sandbox-level events by time, then
+    each episode (earliest first) by sequence number."""
     from trajbus.consumers.operator.tools import read_sandbox_log
 
     entries = asyncio.run(read_sandbox_log(get_settings(), args.sandbox, episode=args.episode,
@@ -179,6 +114,18 @@ def _events(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
+    """Re-run the scheduler (and the watchdog, when built) over the retained log with the same
+    code the workers run, and list every decision and alert about the sandbox with the events
+    that caused it. Then compare with what was recorded on the decisions and alerts topics by
+    event id (ids are deterministic) and list divergences: recorded but not reproduced,
+    reproduced but not recorded, same id with different content.
+
+    Input order: the live interleaving of partitions is not recorded; the re-run merges
+    partitions by record timestamp (each in offset order), the best available approximation.
+    Reads every input of the scheduler (it is global), so it costs a full read of the retained
+    log.
+
+    Exit status: 0 consistent, 3 divergences found."""
     from trajbus.consumers.operator.tools import explain
 
     result = asyncio.run(explain(get_settings(), args.sandbox))
@@ -187,6 +134,14 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _republish(args: argparse.Namespace) -> int:
+    """Read one episode from the log and publish it as replay segments (events in sequence
+    order, duplicates dropped; split only at sequence gaps and size limits) to a debug replay
+    topic, by default trajbus.replay.debug-TASK. A trainer reads it like any replay topic by
+    subscribing to the task 'debug-TASK', e.g.
+      ReplayClient(['debug-TASK'], group_id='my-debug')
+      trajbus replay tail --task debug-TASK
+    Republishing twice produces segments with the same event ids; the ReplayClient drops the
+    second copy."""
     from trajbus.consumers.operator.tools import debug_replay_task, republish
 
     r = asyncio.run(republish(get_settings(), args.task, args.sandbox, args.episode,
@@ -201,6 +156,10 @@ def _republish(args: argparse.Namespace) -> int:
 
 
 def _waterfall(args: argparse.Namespace) -> int:
+    """Per tool call: ToolCall -> ToolResult duration (matched by call id), the gaps between
+    steps as agent think time, and each tool's share of the episode. The HTML report is one
+    self-contained file (inline CSS and SVG, no script, no network). --png needs matplotlib or
+    a headless Chromium (chromium / chromium-headless-shell on PATH, or TRAJBUS_CHROMIUM)."""
     from trajbus.consumers.operator.tools import read_sandbox_log
     from trajbus.consumers.operator.waterfall import (
         PngUnavailableError,
@@ -241,6 +200,10 @@ def _ranges(ps: list[int]) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
+    """For each processor (reorder, watchdog, scheduler): its consumer group's live members
+    (which worker holds which partitions; none means no worker runs it) and its lag per input
+    topic in records (transaction markers excluded: a caught-up processor shows 0). Then the
+    dead letters retained and the replay topics with their segment counts."""
     from trajbus.consumers.operator.tools import fleet_status
 
     st = asyncio.run(fleet_status(get_settings()))
@@ -311,6 +274,11 @@ def _print_cluster(c: dict[str, Any]) -> None:
 
 
 def _scheduler_status(args: argparse.Namespace) -> int:
+    """Rebuild the scheduler's state from its committed changelog topic
+    (<prefix>.scheduler.state, what a restarted worker would load) and print: sandboxes by
+    lifecycle state, leases close to expiry, draining sandboxes, queued requests and credit per
+    tenant, nodes by headroom. Times are the scheduler's own clock (the latest event time it
+    processed)."""
     from trajbus.bus.positions import duration, iso
     from trajbus.consumers.operator.tools import restore_scheduler
 
@@ -363,6 +331,15 @@ def _scheduler_status(args: argparse.Namespace) -> int:
 
 
 def _watchdog_explain(args: argparse.Namespace) -> int:
+    """By default, from the live state (restored from <prefix>.watchdog.state; ended episodes
+    are no longer tracked there): for each tracked stream (episode), the loop thresholds and,
+    for every cycle length, the current repetition window (pattern, repeats, span, result
+    changes) with what keeps it from firing.
+
+    --from-log re-runs the watchdog over the sandbox's events and tells each episode's story:
+    the moment each alert fired (the window that fired and the calls that are its evidence,
+    the decision it requested), the loop's end, and the state just before the episode ended
+    (or at the end of the log, for an episode cut short)."""
     from trajbus.consumers.operator.tools import watchdog_explain
 
     settings = get_settings()

@@ -10,38 +10,34 @@ import json
 import sys
 from typing import Any
 
+from trajbus.bus.cliargs import (
+    Commands,
+    add_actions,
+    add_command,
+    add_filters,
+    add_flags,
+)
 from trajbus.bus.positions import TIME_HELP, now_ms, parse_start, parse_time
 from trajbus.bus.settings import get_settings
 
-_RAW = argparse.RawDescriptionHelpFormatter
 
-
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Commands) -> None:
     _register_consume(sub)
     _register_deadletters(sub)
     _register_alerts(sub)
 
 
 # -- consume ---------------------------------------------------------------------------------
-def _register_consume(sub: argparse._SubParsersAction) -> None:
-    c = sub.add_parser(
-        "consume", help="print any trajbus topic's records, decoded (like kcat -C)",
-        formatter_class=_RAW,
-        description="Read a topic from a position and print its records decoded: raw sandbox "
-        "events and trace chunks, replay segments, watchdog alerts, scheduling decisions, "
-        "dead letters, late events. No consumer group: nothing is committed. Stops at the "
-        "end offsets of the moment it started, unless --follow. read_committed: aborted "
-        "transactional outputs are never shown. Ticks (the processors' clock records) are "
-        "left out unless --ticks.\n\n"
-        "TOPIC: a full name, a name under the prefix (sandbox.events, replay.web-shop), a "
-        "short name (events, traces, control, nodes, decisions, alerts, deadletter, late, "
-        "schemas) or a task (its replay topic).",
-        epilog="examples:\n"
-        "  trajbus consume decisions --from -1h --kind TERMINATE\n"
-        "  trajbus consume events --sandbox sb-17 --episode ep-3 --count 20\n"
-        "  trajbus consume web-shop --from end --follow           # new replay segments\n"
-        "  trajbus consume deadletter --json | jq .record.reason\n"
-        "  trajbus consume alerts --from 2026-11-30T10:00 --to 2026-11-30T11:00")
+def _register_consume(sub: Commands) -> None:
+    c = add_command(sub, "consume", _consume,
+                    help="print any trajbus topic's records, decoded (like kcat -C)",
+                    examples=(
+                        "trajbus consume decisions --from -1h --kind TERMINATE",
+                        "trajbus consume events --sandbox sb-17 --episode ep-3 --count 20",
+                        "trajbus consume web-shop --from end --follow           # new replay "
+                        "segments",
+                        "trajbus consume deadletter --json | jq .record.reason",
+                        "trajbus consume alerts --from 2026-11-30T10:00 --to 2026-11-30T11:00"))
     c.add_argument("topic", metavar="TOPIC", help="the topic (see above)")
     c.add_argument("--from", dest="start", default="beginning", metavar="POSITION",
                    help=f"beginning (default), end, or a time: {TIME_HELP}")
@@ -53,24 +49,29 @@ def _register_consume(sub: argparse._SubParsersAction) -> None:
                    help="keep reading new records after reaching the end (Ctrl-C stops)")
     c.add_argument("--partition", default=None, metavar="P[,P...]",
                    help="only these partitions")
-    c.add_argument("--task", action="append", default=[], help="only this task (repeatable)")
-    c.add_argument("--sandbox", action="append", default=[],
-                   help="only this sandbox (repeatable)")
-    c.add_argument("--episode", action="append", default=[],
-                   help="only this episode (repeatable)")
+    add_filters(c, "task", "sandbox", "episode")
     c.add_argument("--kind", action="append", default=[],
                    help="only records of this kind (ToolCall, ReplaySegment, ...) or label "
                    "(a decision like TERMINATE, an alert like LOOP, a dead letter's reason "
                    "code); repeatable, any case")
-    c.add_argument("--ticks", action="store_true", help="also show the processors' Tick records")
-    c.add_argument("--json", action="store_true",
-                   help="one JSON object per record (position, timestamp, decoded record)")
-    c.add_argument("--expand", action="store_true",
-                   help="with --json: bytes as base64 instead of '<N bytes>'")
-    c.set_defaults(func=_consume)
+    add_flags(c, ticks="also show the processors' Tick records",
+              json="one JSON object per record (position, timestamp, decoded record)",
+              expand=_EXPAND)
+
+
+_EXPAND = "with --json: bytes as base64 instead of '<N bytes>'"
 
 
 def _consume(args: argparse.Namespace) -> int:
+    """Read a topic from a position and print its records decoded: raw sandbox events and
+    trace chunks, replay segments, watchdog alerts, scheduling decisions, dead letters, late
+    events. No consumer group: nothing is committed. Stops at the end offsets of the moment it
+    started, unless --follow. read_committed: aborted transactional outputs are never shown.
+    Ticks (the processors' clock records) are left out unless --ticks.
+
+    TOPIC: a full name, a name under the prefix (sandbox.events, replay.web-shop), a short name
+    (events, traces, control, nodes, decisions, alerts, deadletter, late, schemas) or a task
+    (its replay topic)."""
     from trajbus.bus.inventory import topic_names
     from trajbus.bus.kafka import check_broker
     from trajbus.consumers.operator.consume import (
@@ -115,23 +116,19 @@ def _consume(args: argparse.Namespace) -> int:
 
 
 # -- deadletters -----------------------------------------------------------------------------
-def _register_deadletters(sub: argparse._SubParsersAction) -> None:
-    d = sub.add_parser(
-        "deadletters", help="what the processors refused: counts, list, inspect, re-drive",
-        formatter_class=_RAW,
-        description="The dead-letter topic (<prefix>.deadletter): input a processor or the "
-        "archiver could not accept, with the stage, reason, source position and the original "
-        "bytes. Without an action: counts by stage and reason.",
-        epilog="examples:\n"
-        "  trajbus deadletters                                  # counts by stage and reason\n"
-        "  trajbus deadletters list --reason conflicting_duplicate\n"
-        "  trajbus deadletters show 3f2a9c1e                    # one, decoded\n"
-        "  trajbus deadletters redrive --reason too_many_open_episodes --dry-run\n"
-        "  trajbus deadletters resolve 3f2a9c1e --note 'sandbox fixed, events not needed'\n"
-        "  trajbus deadletters list --status open")
-    d.add_argument("--json", action="store_true", help="the counts as one JSON object")
-    d.set_defaults(func=_dl_counts, help_parser=d)
-    dsub = d.add_subparsers(dest="deadletters_command", metavar="ACTION")
+def _register_deadletters(sub: Commands) -> None:
+    d = add_command(
+        sub, "deadletters", _dl_counts,
+        help="what the processors refused: counts, list, inspect, re-drive",
+        examples=(
+            "trajbus deadletters                                  # counts by stage and reason",
+            "trajbus deadletters list --reason conflicting_duplicate",
+            "trajbus deadletters show 3f2a9c1e                    # one, decoded",
+            "trajbus deadletters redrive --reason too_many_open_episodes --dry-run",
+            "trajbus deadletters resolve 3f2a9c1e --note 'sandbox fixed, events not needed'",
+            "trajbus deadletters list --status open"))
+    add_flags(d, json="the counts as one JSON object")
+    dsub = add_actions(d, "deadletters_command")
 
     def selection(p: argparse.ArgumentParser) -> None:
         p.add_argument("--stage", action="append", default=[],
@@ -139,10 +136,7 @@ def _register_deadletters(sub: argparse._SubParsersAction) -> None:
                        "(repeatable)")
         p.add_argument("--reason", action="append", default=[], metavar="CODE",
                        help="only this reason code, e.g. conflicting_duplicate (repeatable)")
-        p.add_argument("--task", action="append", default=[],
-                       help="only this task (repeatable)")
-        p.add_argument("--sandbox", action="append", default=[],
-                       help="only this sandbox (repeatable)")
+        add_filters(p, "task", "sandbox")
         p.add_argument("--since", default=None, metavar="TIME",
                        help=f"only dead letters since this time: {TIME_HELP}")
         p.add_argument("--status", action="append", default=[],
@@ -150,58 +144,31 @@ def _register_deadletters(sub: argparse._SubParsersAction) -> None:
                        help="only dead letters with this status (repeatable): open (nothing "
                        "done yet), redriven, resolved")
 
-    lst = dsub.add_parser("list", help="one line per dead letter (oldest first)",
-                          description="One line per dead letter: short id, time, stage/reason, "
-                          "source position, task, sandbox/episode and the reason.")
+    lst = add_command(dsub, "list", _dl_list, help="one line per dead letter (oldest first)")
     selection(lst)
-    lst.add_argument("--json", action="store_true", help="one JSON object per dead letter")
+    add_flags(lst, json="one JSON object per dead letter")
     lst.add_argument("-n", "--count", type=int, default=None, metavar="N",
                      help="only the latest N")
-    lst.set_defaults(func=_dl_list)
 
-    show = dsub.add_parser(
-        "show", help="one dead letter whole: reason, source, original bytes decoded",
-        description="Everything about one dead letter: reason, stage, source topic/partition/"
-        "offset, the original key, the original record decoded (when it decodes; else its "
-        "first bytes) and, for a conflicting duplicate, the version that was kept.")
+    show = add_command(dsub, "show", _dl_show,
+                       help="one dead letter whole: reason, source, original bytes decoded")
     show.add_argument("id", help="the dead letter's id, or its first characters (at least 4)")
-    show.add_argument("--json", action="store_true", help="as one JSON object")
-    show.add_argument("--expand", action="store_true",
-                      help="with --json: bytes as base64 instead of '<N bytes>'")
-    show.set_defaults(func=_dl_show)
+    add_flags(show, json="as one JSON object", expand=_EXPAND)
 
-    rd = dsub.add_parser(
-        "redrive", help="send dead letters back to their source topic after a fix",
-        formatter_class=_RAW,
-        description="Produce each selected source record's original key and bytes to its "
-        "source topic and partition again, so the processors take it once more (after the "
-        "cause was fixed). Each source record is sent once, however many stages dead-lettered "
-        "it. Every dead letter sent gets the status 'redriven' (in the same Kafka transaction), "
-        "so a second redrive skips it: re-driving twice sends nothing twice. Refuses permanent "
-        "failures (bytes that are not a trajbus record or do not decode, malformed events, the "
-        "losing version of a conflict, ...: sending the same bytes again would fail the same "
-        "way), truncated bytes (the reason says where the whole record is), and skips resolved "
-        "ones. Select by id, by --stage/--reason/--task/--sandbox/--since/--status, or --all.")
+    every = "every dead letter matching the filters (required when no id and no filter is given)"
+    rd = add_command(dsub, "redrive", _dl_redrive,
+                     help="send dead letters back to their source topic after a fix")
     rd.add_argument("ids", nargs="*", metavar="ID", help="dead letter ids (or prefixes)")
     selection(rd)
-    rd.add_argument("--all", action="store_true", help="every dead letter matching the filters "
-                    "(required when no id and no filter is given)")
-    rd.add_argument("--dry-run", action="store_true", help="list what would be re-driven")
-    rd.set_defaults(func=_dl_redrive)
+    add_flags(rd, all=every, dry_run="list what would be re-driven")
 
-    rs = dsub.add_parser(
-        "resolve", help="mark dead letters resolved, with a note (nothing is sent)",
-        description="Record that the selected dead letters need nothing more (e.g. the data "
-        "is not needed, or was recovered another way), with a note, on <prefix>.deadletter-"
-        "status. `list --status open` then no longer shows them and redrive skips them. "
-        "--reopen marks them open again.")
+    rs = add_command(dsub, "resolve", _dl_resolve,
+                     help="mark dead letters resolved, with a note (nothing is sent)")
     rs.add_argument("ids", nargs="*", metavar="ID", help="dead letter ids (or prefixes)")
     selection(rs)
-    rs.add_argument("--all", action="store_true", help="every dead letter matching the filters "
-                    "(required when no id and no filter is given)")
+    add_flags(rs, all=every)
     rs.add_argument("--note", required=True, help="why: who fixed what, where the data went")
-    rs.add_argument("--reopen", action="store_true", help="mark them open again instead")
-    rs.set_defaults(func=_dl_resolve)
+    add_flags(rs, reopen="mark them open again instead")
 
 
 def _dl_read(args: argparse.Namespace) -> list[Any]:
@@ -221,6 +188,9 @@ def _dl_read_both(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
 
 
 def _dl_counts(args: argparse.Namespace) -> int:
+    """The dead-letter topic (<prefix>.deadletter): input a processor or the archiver could not
+    accept, with the stage, reason, source position and the original bytes. Without an action:
+    counts by stage and reason."""
     from trajbus.bus.topics import Topics
     from trajbus.consumers.operator.deadletters import counts, stage_reason_table
 
@@ -247,6 +217,8 @@ def _dl_counts(args: argparse.Namespace) -> int:
 
 
 def _dl_list(args: argparse.Namespace) -> int:
+    """One line per dead letter: short id, time, stage/reason, source position, task,
+    sandbox/episode and the reason."""
     dls = _dl_read(args)
     if args.count is not None:
         dls = dls[-args.count:] if args.count > 0 else []
@@ -258,6 +230,9 @@ def _dl_list(args: argparse.Namespace) -> int:
 
 
 def _dl_show(args: argparse.Namespace) -> int:
+    """Everything about one dead letter: reason, stage, source topic/partition/offset, the
+    original key, the original record decoded (when it decodes; else its first bytes) and, for
+    a conflicting duplicate, the version that was kept."""
     from trajbus.consumers.operator.deadletters import find, kept_version
 
     d = find(_dl_read(args), args.id)
@@ -269,6 +244,15 @@ def _dl_show(args: argparse.Namespace) -> int:
 
 
 def _dl_redrive(args: argparse.Namespace) -> int:
+    """Produce each selected source record's original key and bytes to its source topic and
+    partition again, so the processors take it once more (after the cause was fixed). Each
+    source record is sent once, however many stages dead-lettered it. Every dead letter sent
+    gets the status 'redriven' (in the same Kafka transaction), so a second redrive skips it:
+    re-driving twice sends nothing twice. Refuses permanent failures (bytes that are not a
+    trajbus record or do not decode, malformed events, the losing version of a conflict, ...:
+    sending the same bytes again would fail the same way), truncated bytes (the reason says
+    where the whole record is), and skips resolved ones. Select by id, by
+    --stage/--reason/--task/--sandbox/--since/--status, or --all."""
     from trajbus.consumers.operator.deadletters import redrive
 
     dls, every = _dl_selected_and_every(args, "re-drive")
@@ -316,6 +300,9 @@ def _dl_selected_and_every(args: argparse.Namespace, verb: str
 
 
 def _dl_resolve(args: argparse.Namespace) -> int:
+    """Record that the selected dead letters need nothing more (e.g. the data is not needed, or
+    was recovered another way), with a note, on <prefix>.deadletter-status. `list --status
+    open` then no longer shows them and redrive skips them. --reopen marks them open again."""
     from trajbus.consumers.operator.deadletters import resolve
 
     dls = _dl_selected(args, "resolve")
@@ -328,30 +315,26 @@ def _dl_resolve(args: argparse.Namespace) -> int:
 
 
 # -- alerts ----------------------------------------------------------------------------------
-def _register_alerts(sub: argparse._SubParsersAction) -> None:
+def _register_alerts(sub: Commands) -> None:
     from trajbus.consumers.operator.alerts import DEFAULT_KINDS
 
-    a = sub.add_parser(
-        "alerts", help="recent loops, terminations, anomalies, reclaims, recycles with loss",
-        formatter_class=_RAW,
-        description="The watchdog's alerts and the scheduler's decisions written since a "
-        "time: which sandboxes looped, stalled, were terminated, reclaimed or recycled with "
-        "loss, or raised an anomaly -- when, in which task, and why. Default kinds: "
+    a = add_command(
+        sub, "alerts", _alerts,
+        help="recent loops, terminations, anomalies, reclaims, recycles with loss",
+        description="The watchdog's alerts and the scheduler's decisions written since a time: "
+        "which sandboxes looped, stalled, were terminated, reclaimed or recycled with loss, or "
+        "raised an anomaly -- when, in which task, and why. Default kinds: "
         f"{', '.join(DEFAULT_KINDS)}.",
-        epilog="examples:\n"
-        "  trajbus alerts --since 1h\n"
-        "  trajbus alerts --since 2026-11-30T10:00 --kind TERMINATE --task web-shop\n"
-        "  trajbus alerts --since 1d --kind DRAIN --kind RECYCLE --json")
+        examples=("trajbus alerts --since 1h",
+                  "trajbus alerts --since 2026-11-30T10:00 --kind TERMINATE --task web-shop",
+                  "trajbus alerts --since 1d --kind DRAIN --kind RECYCLE --json"))
     a.add_argument("--since", default="1h", metavar="TIME",
                    help=f"how far back (default 1h): {TIME_HELP}")
     a.add_argument("--kind", action="append", default=[],
                    help="only these alert/decision kinds (repeatable; any alert or decision "
                    "kind, e.g. PLACE, DRAIN)")
-    a.add_argument("--task", action="append", default=[], help="only this task (repeatable)")
-    a.add_argument("--sandbox", action="append", default=[],
-                   help="only this sandbox (repeatable)")
-    a.add_argument("--json", action="store_true", help="one JSON object per line")
-    a.set_defaults(func=_alerts)
+    add_filters(a, "task", "sandbox")
+    add_flags(a, json="one JSON object per line")
 
 
 def _alerts(args: argparse.Namespace) -> int:
