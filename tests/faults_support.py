@@ -70,6 +70,8 @@ class PausableProxy:
       "connection refused" (an endpoint that is down);
     - ``hold()``: accept and keep connections but forward nothing (a hung endpoint);
     - ``slow(delay_s)``: forward, sleeping ``delay_s`` before every chunk.
+
+    ``stats`` counts connections, bytes each way and chunks that waited on ``hold()``.
     """
 
     def __init__(self, target_host: str, target_port: int) -> None:
@@ -106,7 +108,18 @@ class PausableProxy:
             self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port,
                                                       reuse_address=True)
 
+    def _accept(self, writer: asyncio.StreamWriter) -> bool:
+        """Whether a new connection is forwarded (a subclass may abort it instead)."""
+        return True
+
+    def _intercept(self, data: bytes, up: bool) -> bool:
+        """Whether ``data`` (``up``: client to target) ends its connection instead of being
+        forwarded (a subclass's trigger)."""
+        return False
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self._accept(writer):
+            return
         self.stats["connections"] += 1
         try:
             up_r, up_w = await asyncio.open_connection(*self.target)
@@ -115,23 +128,27 @@ class PausableProxy:
             return
         self._conns.update((writer, up_w))
 
-        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, name: str) -> None:
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: bool) -> None:
             try:
                 while data := await r.read(65536):
+                    if self._intercept(data, up):
+                        return
                     assert self._flowing is not None
-                    await self._flowing.wait()
+                    if not self._flowing.is_set():  # hold(): a request waits on the hung end
+                        self.stats["held"] += 1
+                        await self._flowing.wait()
                     if self.delay_s:
                         await asyncio.sleep(self.delay_s)
                     w.write(data)
                     await w.drain()
-                    self.stats[name] += len(data)
+                    self.stats["bytes_up" if up else "bytes_down"] += len(data)
             except (OSError, asyncio.CancelledError):
                 pass
             finally:
                 with contextlib.suppress(Exception):
                     w.close()
 
-        await asyncio.gather(pipe(reader, up_w, "bytes_up"), pipe(up_r, writer, "bytes_down"))
+        await asyncio.gather(pipe(reader, up_w, True), pipe(up_r, writer, False))
         self._conns.difference_update((writer, up_w))
 
     def refuse(self) -> None:

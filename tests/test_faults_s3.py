@@ -12,7 +12,6 @@ and restarted (first while S3 is still down, then after), the archive is still e
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
@@ -21,7 +20,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import boto3
@@ -38,6 +37,7 @@ from trajbus.bus.settings import ArchiveSettings
 from trajbus.bus.topics import Topics
 
 pytestmark = [pytest.mark.kafka]
+P = TypeVar("P", bound=PausableProxy)
 
 
 class FaultProxy(PausableProxy):
@@ -60,43 +60,19 @@ class FaultProxy(PausableProxy):
             w.transport.abort()
         self._conns.clear()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _accept(self, writer: asyncio.StreamWriter) -> bool:
         if self.resetting:
             self.stats["reset"] += 1
             writer.transport.abort()
-            return
-        self.stats["connections"] += 1
-        try:
-            up_r, up_w = await asyncio.open_connection(*self.target)
-        except OSError:
-            writer.close()
-            return
-        self._conns.update((writer, up_w))
+            return False
+        return True
 
-        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: bool) -> None:
-            try:
-                while data := await r.read(65536):
-                    if up and self.trip is not None and self.trip in data:
-                        self.stats["tripped"] += 1
-                        self._reset_now()
-                        return
-                    assert self._flowing is not None
-                    if not self._flowing.is_set():  # hold(): a request waits on the hung end
-                        self.stats["held"] += 1
-                        await self._flowing.wait()
-                    if self.delay_s:
-                        await asyncio.sleep(self.delay_s)
-                    w.write(data)
-                    await w.drain()
-                    self.stats["bytes_up" if up else "bytes_down"] += len(data)
-            except (OSError, asyncio.CancelledError):
-                pass
-            finally:
-                with contextlib.suppress(Exception):
-                    w.close()
-
-        await asyncio.gather(pipe(reader, up_w, True), pipe(up_r, writer, False))
-        self._conns.difference_update((writer, up_w))
+    def _intercept(self, data: bytes, up: bool) -> bool:
+        if up and self.trip is not None and self.trip in data:
+            self.stats["tripped"] += 1
+            self._reset_now()
+            return True
+        return False
 
     def reset_all(self) -> None:
         async def go() -> None:
@@ -119,13 +95,35 @@ class FaultProxy(PausableProxy):
         super().resume()
 
 
-async def _archive_through_outage(bootstrap: str, prefix: str, tmp_path: Path, s3: str,
-                                  mode: str, outage_s: float,
-                                  caplog: pytest.LogCaptureFixture) -> dict[str, Any]:
+def _bucket_behind(s3: str, proxy_type: type[P]) -> tuple[str, P]:
+    """A new bucket on moto's server ``s3``, and a started proxy to that server."""
     bucket = f"b-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3).create_bucket(Bucket=bucket)
     target = urlparse(s3)
-    proxy = FaultProxy(target.hostname or "127.0.0.1", target.port or 80).start()
+    return bucket, proxy_type(target.hostname or "127.0.0.1", target.port or 80).start()
+
+
+def _sigkill(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc`` unless it has exited, and reap it."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+def _half_written(s3: str, bucket: str) -> tuple[set[str], list[str]]:
+    """Batches of the bucket's archive whose object is uploaded but whose index rows are not
+    (read directly from ``s3``), and every key in the bucket."""
+    listing = boto3.client("s3", endpoint_url=s3).list_objects_v2(Bucket=bucket)
+    keys = [o["Key"] for o in listing.get("Contents", [])]
+    objects = {k.rsplit("/", 1)[-1] for k in keys if k.startswith("arch/events/")}
+    indexed = {k.rsplit("/", 1)[-1] for k in keys if k.startswith("arch/index/")}
+    return objects - indexed, keys
+
+
+async def _archive_through_outage(bootstrap: str, prefix: str, tmp_path: Path, s3: str,
+                                  mode: str, outage_s: float,
+                                  caplog: pytest.LogCaptureFixture) -> dict[str, Any]:
+    bucket, proxy = _bucket_behind(s3, FaultProxy)
     settings = settings_for(bootstrap, prefix, archive=ArchiveSettings(
         url=f"s3://{bucket}/arch", s3_endpoint_url=proxy.endpoint,
         spool_dir=str(tmp_path / "spool")))
@@ -202,38 +200,44 @@ async def _archive_through_outage(bootstrap: str, prefix: str, tmp_path: Path, s
     return outcome
 
 
+Outage = Callable[[str, float], Awaitable[dict[str, Any]]]
+
+
+@pytest.fixture
+def s3_outage(kafka_broker: Any, unique_name: str, tmp_path: Path, s3_server: str,
+              caplog: pytest.LogCaptureFixture) -> Outage:
+    """``await s3_outage(mode, outage_s)``: one archiver run until idle, S3 in ``mode``
+    (``refuse``, ``hold``) for ``outage_s`` seconds of it; what it checks and returns: see
+    :func:`_archive_through_outage`."""
+
+    async def run(mode: str, outage_s: float) -> dict[str, Any]:
+        return await _archive_through_outage(kafka_broker.bootstrap, unique_name, tmp_path,
+                                             s3_server, mode, outage_s, caplog)
+
+    return run
+
+
 @pytest.mark.timeout(240)
-async def test_s3_refusing_connections_for_8s_archive_ends_exactly_once(
-        kafka_broker, unique_name, tmp_path: Path, s3_server: str,
-        caplog: pytest.LogCaptureFixture) -> None:
+async def test_s3_refusing_connections_for_8s_archive_ends_exactly_once(s3_outage: Outage) -> None:
     """Endpoint down for 8 s: nothing is committed early, the store retries with backoff, and
     the same run ends with each event once."""
-    out = await _archive_through_outage(kafka_broker.bootstrap, unique_name, tmp_path,
-                                        s3_server, "refuse", 8, caplog)
-    assert out["stats"].objects > 0
+    assert (await s3_outage("refuse", 8))["stats"].objects > 0
 
 
 @pytest.mark.timeout(240)
-async def test_s3_hung_for_8s_then_slow_archive_ends_exactly_once_without_restart(
-        kafka_broker, unique_name, tmp_path: Path, s3_server: str,
-        caplog: pytest.LogCaptureFixture) -> None:
+async def test_s3_hung_for_8s_then_slow_archive_ends_exactly_once_without_restart(s3_outage: Outage
+                                                                                   ) -> None:
     """Endpoint accepts but does not answer for 8 s, then answers slowly (50 ms per chunk):
     the archiver waits it out in one run."""
-    out = await _archive_through_outage(kafka_broker.bootstrap, unique_name, tmp_path,
-                                        s3_server, "hold", 8, caplog)
-    assert out["stats"].objects > 0
+    assert (await s3_outage("hold", 8))["stats"].objects > 0
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-async def test_s3_down_30s_archiver_rides_it_out_in_one_run(
-        kafka_broker, unique_name, tmp_path: Path, s3_server: str,
-        caplog: pytest.LogCaptureFixture) -> None:
+async def test_s3_down_30s_archiver_rides_it_out_in_one_run(s3_outage: Outage) -> None:
     """Bug C (fixed): beyond botocore's own 5 attempts the store retries with backoff for up
     to ``archive.store_retry_s`` (600 s by default), so a 30 s outage needs no restart."""
-    out = await _archive_through_outage(kafka_broker.bootstrap, unique_name, tmp_path,
-                                        s3_server, "refuse", 30, caplog)
-    assert out["stats"].objects > 0
+    assert (await s3_outage("refuse", 30))["stats"].objects > 0
 
 
 def _archiver(env: dict[str, str], log: Path, group: str, *args: str
@@ -267,10 +271,7 @@ async def test_archiver_sigkilled_during_s3_outage_and_restarted_archives_exactl
     restart after S3 is back ends with every Kafka record in the archive exactly once: each
     (topic, partition, offset) in one row of one object, each event id once, every episode's
     seqs complete, no batch marker left, and the group's offsets at the end of the topics."""
-    bucket = f"b-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=bucket)
-    target = urlparse(s3_server)
-    proxy = FaultProxy(target.hostname or "127.0.0.1", target.port or 80).start()
+    bucket, proxy = _bucket_behind(s3_server, FaultProxy)
     settings = settings_for(kafka_broker.bootstrap, unique_name)
     await ensure_base_topics(settings)
     topics = Topics(settings)
@@ -318,18 +319,13 @@ async def test_archiver_sigkilled_during_s3_outage_and_restarted_archives_exactl
         assert any(stuck.get(tp, 0) < end for tp, end in ends.items()), \
             "everything was committed before the outage: the kill would prove nothing"
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        _sigkill(proc)
     assert proc.returncode == -signal.SIGKILL
     # what the kill left in the bucket (read directly, not through the dead proxy): a batch
     # whose object is uploaded but whose index rows are not (and, depending on timing, the
     # marker of a batch committed just before the outage, whose deletion was cut off)
-    listing = boto3.client("s3", endpoint_url=s3_server).list_objects_v2(Bucket=bucket)
-    keys = [o["Key"] for o in listing.get("Contents", [])]
-    objects = {k.rsplit("/", 1)[-1] for k in keys if k.startswith("arch/events/")}
-    indexed = {k.rsplit("/", 1)[-1] for k in keys if k.startswith("arch/index/")}
-    assert objects - indexed, ("no half-written batch at the kill", keys)
+    half_written, keys = _half_written(s3_server, bucket)
+    assert half_written, ("no half-written batch at the kill", keys)
 
     # A supervisor restarts it at once, S3 still down: the store check fails fast, no commit.
     code = await _run_until_idle(env, log, group, timeout=120)
@@ -337,13 +333,8 @@ async def test_archiver_sigkilled_during_s3_outage_and_restarted_archives_exactl
     assert "cannot reach S3" in log.read_text()
     assert await committed_offsets(settings, group) == stuck
 
-    proxy.resume()  # S3 is back: the next restart finishes the job
-    try:
-        code = await _run_until_idle(env, log, group)
-    finally:
-        proxy.stop()
-    assert code == 0, log.read_text()[-3000:]
-    await _assert_archive_exact(settings, group, bucket, s3_server, events)
+    # S3 is back: the next restart finishes the job
+    await _back_then_exact(proxy, env, log, settings, group, bucket, s3_server, events)
 
 
 @pytest.mark.timeout(300)
@@ -356,10 +347,7 @@ async def test_archiver_killed_in_its_final_flush_during_s3_outage_rewrites_that
     boundary (a different object key) for the same offsets unless the first attempt's
     boundary was recorded before its object was uploaded: the half-written object must not
     stay beside the new one (each Kafka record exactly once in the archive)."""
-    bucket = f"b-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=bucket)
-    target = urlparse(s3_server)
-    proxy = FaultProxy(target.hostname or "127.0.0.1", target.port or 80).start()
+    bucket, proxy = _bucket_behind(s3_server, FaultProxy)
     settings = settings_for(kafka_broker.bootstrap, unique_name, partitions=1)
     await ensure_base_topics(settings)
     group = f"{unique_name}.archiver"
@@ -380,26 +368,15 @@ async def test_archiver_killed_in_its_final_flush_during_s3_outage_rewrites_that
                         proc, log)
         assert await committed_offsets(settings, group) == {}, "committed while S3 down"
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        _sigkill(proc)
     assert proc.returncode == -signal.SIGKILL
-    listing = boto3.client("s3", endpoint_url=s3_server).list_objects_v2(Bucket=bucket)
-    keys = [o["Key"] for o in listing.get("Contents", [])]
-    objects = {k.rsplit("/", 1)[-1] for k in keys if k.startswith("arch/events/")}
-    indexed = {k.rsplit("/", 1)[-1] for k in keys if k.startswith("arch/index/")}
-    assert len(objects - indexed) == 1, ("not exactly one half-written batch", keys)
+    half_written, keys = _half_written(s3_server, bucket)
+    assert len(half_written) == 1, ("not exactly one half-written batch", keys)
 
     more = _wave(3, sandboxes=3)  # the next run sees more records
     events += more
     await _publish(settings, more)
-    proxy.resume()
-    try:
-        code = await _run_until_idle(env, log, group)
-    finally:
-        proxy.stop()
-    assert code == 0, log.read_text()[-3000:]
-    await _assert_archive_exact(settings, group, bucket, s3_server, events)
+    await _back_then_exact(proxy, env, log, settings, group, bucket, s3_server, events)
 
 
 def _wave(first_sandbox: int, sandboxes: int = 6) -> list[Any]:
@@ -458,6 +435,19 @@ async def _assert_archive_exact(settings: Any, group: str, bucket: str, s3: str,
         tp: off for tp, off in done.items() if ends.get(tp)}
 
 
+async def _back_then_exact(proxy: PausableProxy, env: dict[str, str], log: Path, settings: Any,
+                           group: str, bucket: str, s3: str, events: list[Any]) -> None:
+    """S3 comes back (``proxy`` resumes; it is stopped afterwards): a restarted run until idle
+    exits 0 and leaves the archive exact (:func:`_assert_archive_exact`)."""
+    proxy.resume()
+    try:
+        code = await _run_until_idle(env, log, group)
+    finally:
+        proxy.stop()
+    assert code == 0, log.read_text()[-3000:]
+    await _assert_archive_exact(settings, group, bucket, s3, events)
+
+
 @pytest.mark.timeout(180)
 def test_s3_outage_in_the_middle_of_compaction_is_ridden_out(
         tmp_path: Path, s3_server: str) -> None:
@@ -470,10 +460,7 @@ def test_s3_outage_in_the_middle_of_compaction_is_ridden_out(
     from trajbus.archive.maintenance import compact
     from trajbus.archive.storage import S3Store
 
-    bucket = f"b-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=bucket)
-    target = urlparse(s3_server)
-    proxy = PausableProxy(target.hostname or "127.0.0.1", target.port or 80).start()
+    bucket, proxy = _bucket_behind(s3_server, PausableProxy)
     try:
         store = open_store(f"s3://{bucket}/arch", proxy.endpoint, retry_s=60)
         assert isinstance(store, S3Store)

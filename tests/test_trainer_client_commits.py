@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-from replay_support import publish_replay
+from replay_support import left_over, publish_replay, settings_with_replay
 from support import make_episodes, settings_for
 
+from trajbus.bus.settings import Settings
 from trajbus.consumers.replay.client import ReplayClient
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]
@@ -53,65 +55,64 @@ async def _read_all(client: ReplayClient, want: int) -> int:
     return segments
 
 
-async def _left_over(settings: object, group: str) -> int:
-    async with ReplayClient("web-shop", group, settings) as c:  # type: ignore[arg-type]
-        n = 0
-        async for seg in c.segments(idle_timeout=3):
-            n += 1
-            await c.ack(seg)
-        return n
+async def _left_over(settings: Settings, group: str) -> int:
+    return await left_over(settings, "web-shop", group)
 
 
-async def test_acks_do_not_wait_for_commits_and_commit_makes_them_durable(
-        kafka_broker: object, unique_name: str) -> None:
-    settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
-    await publish_replay(settings, "web-shop", make_episodes(EPISODES, seed=1, task="web-shop"))
-    group = f"{unique_name}-bg"
-    client = Counting("web-shop", group, settings, commit_every_ms=1)
+async def _published(kafka_broker: Any, unique_name: str, episodes: int, seed: int) -> Settings:
+    """This test's settings, with ``episodes`` whole episodes in web-shop's replay topic."""
+    return await settings_with_replay(kafka_broker.bootstrap, unique_name, "web-shop",
+                                      episodes, seed)
+
+
+@asynccontextmanager
+async def _until_a_crash(client: ReplayClient) -> AsyncIterator[ReplayClient]:
+    """``client`` started; on leaving, its consumer stops as in a crash: no committer left
+    running, no final commit."""
     await client.start()
     try:
-        assert await _read_all(client, EPISODES) == EPISODES
-        # acks returned without their round trip, and the commits were coalesced
-        assert client.acks_before_commit >= EPISODES // 2
-        assert client.commits < EPISODES
-        await client.commit()
-        committed = client.commits
+        yield client
     finally:
-        # a crash right after commit(): the consumer goes without stop()'s final commit
         committer = client._committer
         if committer is not None:
             committer.cancel()
         assert client._consumer is not None
         await client._consumer.stop()
         client._consumer = None
+
+
+async def test_acks_do_not_wait_for_commits_and_commit_makes_them_durable(
+        kafka_broker: object, unique_name: str) -> None:
+    settings = await _published(kafka_broker, unique_name, EPISODES, seed=1)
+    group = f"{unique_name}-bg"
+    # a crash right after commit(): the consumer goes without stop()'s final commit
+    async with _until_a_crash(Counting("web-shop", group, settings, commit_every_ms=1)) as client:
+        assert await _read_all(client, EPISODES) == EPISODES
+        # acks returned without their round trip, and the commits were coalesced
+        assert client.acks_before_commit >= EPISODES // 2
+        assert client.commits < EPISODES
+        await client.commit()
+        committed = client.commits
     assert committed >= 1
     assert await _left_over(settings, group) == 0  # nothing acknowledged comes again
 
 
 async def test_with_commit_every_ms_0_every_ack_returns_committed(kafka_broker: object,
                                                                   unique_name: str) -> None:
-    settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
-    await publish_replay(settings, "web-shop", make_episodes(EPISODES, seed=2, task="web-shop"))
+    settings = await _published(kafka_broker, unique_name, EPISODES, seed=2)
     group = f"{unique_name}-strict"
-    client = Counting("web-shop", group, settings, commit_every_ms=0)
-    await client.start()
-    try:
+    # a crash at the end: no final commit, none needed
+    async with _until_a_crash(Counting("web-shop", group, settings, commit_every_ms=0)) as client:
         assert await _read_all(client, EPISODES) == EPISODES
         assert client.commits >= EPISODES  # one per ack that moved the offset (one partition
         assert client.acks_before_commit == 0  # ... or more); each ack returned committed
-    finally:
-        committer = client._committer
-        assert committer is None  # the per-ack style never starts one
-        assert client._consumer is not None
-        await client._consumer.stop()  # a crash: no final commit, none needed
-        client._consumer = None
+        assert client._committer is None  # the per-ack style never starts one
     assert await _left_over(settings, group) == 0
 
 
 async def test_a_failed_background_commit_is_raised_by_the_next_call(
         kafka_broker: object, unique_name: str) -> None:
-    settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
-    await publish_replay(settings, "web-shop", make_episodes(4, seed=3, task="web-shop"))
+    settings = await _published(kafka_broker, unique_name, 4, seed=3)
 
     class Failing(ReplayClient):
         async def _commit(self) -> None:
@@ -138,8 +139,7 @@ async def test_a_commit_refused_because_the_group_rebalanced_is_made_again(
     every acknowledgement is committed in the end (a fresh member has nothing left)."""
     from aiokafka.errors import CommitFailedError
 
-    settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
-    await publish_replay(settings, "web-shop", make_episodes(4, seed=4, task="web-shop"))
+    settings = await _published(kafka_broker, unique_name, 4, seed=4)
 
     class RefusedThrice(ReplayClient):
         refusals = 0
@@ -170,8 +170,7 @@ async def test_a_commit_waits_while_the_partitions_are_revoked_and_not_yet_assig
     of it afterwards is counted, not an error, and commits go on for the others."""
     from trajbus.consumers.replay.client import _StartAt
 
-    settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
-    await publish_replay(settings, "web-shop", make_episodes(8, seed=5, task="web-shop"))
+    settings = await _published(kafka_broker, unique_name, 8, seed=5)
     group = f"{unique_name}-revoked"
     async with ReplayClient("web-shop", group, settings, commit_every_ms=0) as client:
         got = [seg async for seg in _take(client, 8)]
@@ -204,8 +203,7 @@ async def test_segments_read_again_after_a_rejoin_are_not_committed_before_their
     already handed to the trainer but not acknowledged come back as duplicates: they are not
     delivered twice, and not taken as consumed either -- the commit stays before them until
     the trainer acknowledges the first delivery (a crash meanwhile re-delivers them)."""
-    settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
-    await publish_replay(settings, "web-shop", make_episodes(8, seed=6, task="web-shop"))
+    settings = await _published(kafka_broker, unique_name, 8, seed=6)
     group = f"{unique_name}-reread"
     async with ReplayClient("web-shop", group, settings) as client:
         got = [seg async for seg in _take(client, 8)]
@@ -288,22 +286,16 @@ async def test_an_ack_beyond_an_unacknowledged_segment_is_committed_at_once(
     """Episodes finish out of order: a segment acknowledged after one still held is beyond
     the commit point. Per-ack commits record it at once (in the commit's metadata), so a
     trainer that crashes then gets only the held segment again."""
-    settings = settings_for(kafka_broker.bootstrap, unique_name)  # type: ignore[attr-defined]
-    await publish_replay(settings, "web-shop", make_episodes(8, seed=8, task="web-shop"))
+    settings = await _published(kafka_broker, unique_name, 8, seed=8)
     group = f"{unique_name}-beyond"
-    client = ReplayClient("web-shop", group, settings, commit_every_ms=0)
-    await client.start()
-    try:
+    async with _until_a_crash(ReplayClient("web-shop", group, settings,
+                                           commit_every_ms=0)) as client:
         got = [seg async for seg in _take(client, 8)]
         held = min(got, key=lambda seg: (seg.partition, seg.offset))
         # the held segment's partition last: its acks move no commit point
         for seg in sorted(got, key=lambda seg: seg.partition == held.partition):
             if seg is not held:
                 await client.ack(seg)
-    finally:  # a crash: no final commit
-        assert client._consumer is not None
-        await client._consumer.stop()
-        client._consumer = None
     assert await _left_over(settings, group) == 1
 
 

@@ -15,8 +15,14 @@ import asyncio
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from replay_support import create_replay_topic
+from aiokafka import AIOKafkaConsumer
+from replay_support import (
+    check_whole_once,
+    create_replay_topic,
+    left_over,
+    replay_producer,
+    wait_until,
+)
 from support import Episode, make_episodes, settings_for
 
 from trajbus.bus.settings import Settings
@@ -47,17 +53,11 @@ async def _publish_interleaved(settings: Settings, episodes: list[Episode],
                                indexes: range = range(SEGMENTS)) -> None:
     """Every episode's first segment, then every second one, then every last one: when the
     first episode completes, all the others are open."""
-    topic = await create_replay_topic(settings, TASK)
-    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka.bootstrap_servers,
-                                enable_idempotence=True)
-    await producer.start()
-    try:
+    async with replay_producer(settings, TASK) as (producer, topic):
         for index in indexes:
             for ep in episodes:
                 await producer.send_and_wait(topic, _segment(ep, index),
                                              key=episode_record_key(ep.sandbox, ep.episode))
-    finally:
-        await producer.stop()
 
 
 def _episodes(n: int, seed: int) -> list[Episode]:
@@ -65,30 +65,18 @@ def _episodes(n: int, seed: int) -> list[Episode]:
     return make_episodes(n, seed=seed, task=TASK)
 
 
-def _check_whole_once(published: list[Episode], received: list[Any]) -> None:
-    """Each published episode received exactly once, with all its events in seq order."""
-    names = [ep.episode for ep in received]
-    assert sorted(names) == sorted(ep.episode for ep in published), names
-    by_name = {ep.episode: ep for ep in published}
-    for ep in received:
-        seqs = [ev.record["header"]["seq"] for ev in ep.events]
-        assert seqs == list(range(by_name[ep.episode].n)), (ep.episode, seqs)
-
-
-async def _left_over(settings: Settings, group: str) -> int:
-    async with ReplayClient(TASK, group, settings) as c:
-        n = 0
-        async for seg in c.segments(idle_timeout=3):
-            n += 1
-            await c.ack(seg)
-        return n
+async def _published(kafka_broker: Any, unique_name: str, seed: int
+                     ) -> tuple[Settings, list[Episode]]:
+    """This test's settings, and EPISODES episodes published interleaved (all segments)."""
+    settings = settings_for(kafka_broker.bootstrap, unique_name)
+    published = _episodes(EPISODES, seed=seed)
+    await _publish_interleaved(settings, published)
+    return settings, published
 
 
 async def test_episodes_left_after_each_one_lose_nothing(kafka_broker: Any,
                                                          unique_name: str) -> None:
-    settings = settings_for(kafka_broker.bootstrap, unique_name)
-    published = _episodes(EPISODES, seed=11)
-    await _publish_interleaved(settings, published)
+    settings, published = await _published(kafka_broker, unique_name, seed=11)
     group = f"{unique_name}-one-at-a-time"
     received = []
     async with ReplayClient(TASK, group, settings) as client:
@@ -103,15 +91,13 @@ async def test_episodes_left_after_each_one_lose_nothing(kafka_broker: Any,
             received.append(got)
         assert client.stats["records_read_again_after_early_exit"] > 0
         assert client._in_flight == 0
-    _check_whole_once(published, received)
-    assert await _left_over(settings, group) == 0  # every acknowledgement committed
+    check_whole_once(published, received)
+    assert await left_over(settings, TASK, group) == 0  # every acknowledgement committed
 
 
 async def test_segments_left_after_each_one_lose_nothing(kafka_broker: Any,
                                                          unique_name: str) -> None:
-    settings = settings_for(kafka_broker.bootstrap, unique_name)
-    published = _episodes(EPISODES, seed=12)
-    await _publish_interleaved(settings, published)
+    settings, published = await _published(kafka_broker, unique_name, seed=12)
     group = f"{unique_name}-segment-at-a-time"
     seen: list[tuple[str, int]] = []
     async with ReplayClient(TASK, group, settings) as client:
@@ -126,15 +112,13 @@ async def test_segments_left_after_each_one_lose_nothing(kafka_broker: Any,
         assert client.stats["records_read_again_after_early_exit"] > 0
     assert sorted(seen) == sorted({(ep.episode, i) for ep in published
                                    for i in range(SEGMENTS)})
-    assert await _left_over(settings, group) == 0
+    assert await left_over(settings, TASK, group) == 0
 
 
 async def test_a_failing_trainer_step_loses_nothing(kafka_broker: Any, unique_name: str) -> None:
     """An exception out of the loop body ends the iterator too: the episodes held unacknowledged
     are the trainer's (never delivered twice); the rest comes to the next loop."""
-    settings = settings_for(kafka_broker.bootstrap, unique_name)
-    published = _episodes(EPISODES, seed=13)
-    await _publish_interleaved(settings, published)
+    settings, published = await _published(kafka_broker, unique_name, seed=13)
     received: list[Any] = []
     async with ReplayClient(TASK, f"{unique_name}-failing", settings) as client:
         with pytest.raises(RuntimeError, match="trainer step failed"):
@@ -147,14 +131,12 @@ async def test_a_failing_trainer_step_loses_nothing(kafka_broker: Any, unique_na
         async for ep in client.episodes(idle_timeout=3):
             received.append(ep)
             await client.ack(ep)
-    _check_whole_once(published, received)
+    check_whole_once(published, received)
 
 
 def test_sync_client_episodes_left_after_each_one_lose_nothing(kafka_broker: Any,
                                                                unique_name: str) -> None:
-    settings = settings_for(kafka_broker.bootstrap, unique_name)
-    published = _episodes(EPISODES, seed=14)
-    asyncio.run(_publish_interleaved(settings, published))
+    settings, published = asyncio.run(_published(kafka_broker, unique_name, seed=14))
     group = f"{unique_name}-sync"
     received = []
     with SyncReplayClient(TASK, group, settings) as client:
@@ -168,16 +150,8 @@ def test_sync_client_episodes_left_after_each_one_lose_nothing(kafka_broker: Any
                 break
             received.append(got)
         assert client.stats["records_read_again_after_early_exit"] > 0
-    _check_whole_once(published, received)
-    assert asyncio.run(_left_over(settings, group)) == 0
-
-
-async def _wait_until(condition: Any, what: str, timeout: float = 60) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, f"timed out waiting until {what}"
-        await asyncio.sleep(0.05)
+    check_whole_once(published, received)
+    assert asyncio.run(left_over(settings, TASK, group)) == 0
 
 
 @pytest.mark.timeout(240)
@@ -209,7 +183,7 @@ async def test_a_partition_moved_away_and_back_under_open_episodes_loses_nothing
             return 0 if read is None else sum(len(ep.segments)
                                               for ep in read.open_episodes.values())
 
-        await _wait_until(lambda: held() == EPISODES * (SEGMENTS - 1), "all open")
+        await wait_until(lambda: held() == EPISODES * (SEGMENTS - 1), "all open")
         partitions = {seg.partition for ep in client._reading.open_episodes.values()  # type: ignore[union-attr]
                       for seg in ep.segments}
         assert len(partitions) == 2, "the test needs open episodes on both partitions"
@@ -224,16 +198,16 @@ async def test_a_partition_moved_away_and_back_under_open_episodes_loses_nothing
                                  group_id=group, enable_auto_commit=False)
         await other.start()  # joins the group: one partition moves to it
         try:
-            await _wait_until(lambda: len(consumer.assignment()) == 1, "a partition moved")
+            await wait_until(lambda: len(consumer.assignment()) == 1, "a partition moved")
         finally:
             await other.stop()  # leaves: the partition comes back
-        await _wait_until(lambda: (set(consumer.assignment()) == both
+        await wait_until(lambda: (set(consumer.assignment()) == both
                                    and client._revocations >= rebalances + 2
                                    and not client._rebalancing), "it came back")
         # the trainer reads the returned partition again from the group's commit: wait until
         # it has (what it held there is read again), then the last segments come
         if trainer_at == "fetch":
-            await _wait_until(lambda: held() == EPISODES * (SEGMENTS - 1), "read again")
+            await wait_until(lambda: held() == EPISODES * (SEGMENTS - 1), "read again")
             await _publish_interleaved(settings, published, range(SEGMENTS - 1, SEGMENTS))
             ep = await asyncio.wait_for(first, 30)
         else:
@@ -250,8 +224,8 @@ async def test_a_partition_moved_away_and_back_under_open_episodes_loses_nothing
             if got is None:
                 break
             received.append(got)
-    _check_whole_once(published, received)
-    assert await _left_over(settings, group) == 0
+    check_whole_once(published, received)
+    assert await left_over(settings, TASK, group) == 0
 
 
 
@@ -262,9 +236,8 @@ async def test_episodes_open_beyond_max_in_flight_do_not_stop_delivery(
     episodes not complete yet are the client's, not the trainer's: counted against it, 16
     open segments under a bound of 4 stopped ``episodes()`` for good (it waited for acks of
     episodes it could never complete)."""
-    settings = settings_for(kafka_broker.bootstrap, unique_name)
-    published = _episodes(EPISODES, seed=16)
-    await _publish_interleaved(settings, published)  # 16 segments before the first last one
+    # 16 segments before the first last one
+    settings, published = await _published(kafka_broker, unique_name, seed=16)
     received: list[Any] = []
     async with ReplayClient(TASK, f"{unique_name}-bounded", settings, max_in_flight=4) as client:
 
@@ -274,4 +247,4 @@ async def test_episodes_open_beyond_max_in_flight_do_not_stop_delivery(
                 await client.ack(ep)
 
         await asyncio.wait_for(read_all(), 60)
-    _check_whole_once(published, received)
+    check_whole_once(published, received)

@@ -20,11 +20,10 @@ import logging
 from typing import Any
 
 import pytest
-from replay_support import publish_live
+from replay_support import check_whole_once, left_over, publish_live, wait_until
 from support import Episode, make_episodes, settings_for
 
 import trajbus.consumers.replay.client as client_mod
-from trajbus.bus.settings import Settings
 from trajbus.consumers.replay.client import ReplayClient, SyncReplayClient
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]
@@ -41,33 +40,6 @@ def _episodes(n: int, seed: int, **kw: Any) -> list[Episode]:
            if ep.n >= 20][:n]
     assert len(eps) == n and BATCH * 20 > MAX_IN_FLIGHT
     return eps
-
-
-def _check_whole_once(published: list[Episode], received: list[Any]) -> None:
-    names = [ep.episode for ep in received]
-    assert sorted(names) == sorted(ep.episode for ep in published), names
-    by_name = {ep.episode: ep for ep in published}
-    for ep in received:
-        seqs = [ev.record["header"]["seq"] for ev in ep.events]
-        assert seqs == list(range(by_name[ep.episode].n)), (ep.episode, seqs)
-
-
-async def _left_over(settings: Settings, group: str) -> int:
-    """Segments a new member of ``group`` reads: what the group has not committed."""
-    async with ReplayClient(TASK, group, settings) as c:
-        n = 0
-        async for seg in c.segments(idle_timeout=3):
-            n += 1
-            await c.ack(seg)
-        return n
-
-
-async def _wait_until(condition: Any, what: str, timeout: float = 60) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, f"timed out waiting until {what}"
-        await asyncio.sleep(0.05)
 
 
 def _batch_segments(batch: list[Any]) -> int:
@@ -103,8 +75,8 @@ async def test_readme_batch_loop_takes_batches_bigger_than_max_in_flight(
         await asyncio.wait_for(train(), 90)
         assert client._in_flight == 0
     assert biggest > MAX_IN_FLIGHT, "the test needs batches bigger than max_in_flight"
-    _check_whole_once(published, received)
-    assert await _left_over(settings, group) == 0  # every acknowledgement committed
+    check_whole_once(published, received)
+    assert await left_over(settings, TASK, group) == 0  # every acknowledgement committed
 
 
 @pytest.mark.timeout(120)  # the old client hung here: this bounds it
@@ -130,8 +102,8 @@ def test_sync_readme_batch_loop_takes_batches_bigger_than_max_in_flight(
                 client.ack(ep)
             received.extend(batch)
     assert biggest > MAX_IN_FLIGHT
-    _check_whole_once(published, received)
-    assert asyncio.run(_left_over(settings, group)) == 0
+    check_whole_once(published, received)
+    assert asyncio.run(left_over(settings, TASK, group)) == 0
 
 
 async def test_a_loop_that_never_acknowledges_still_gets_everything(
@@ -151,8 +123,8 @@ async def test_a_loop_that_never_acknowledges_still_gets_everything(
                 received.append(ep)
 
         await asyncio.wait_for(read_all(), 60)
-    _check_whole_once(published, received)
-    assert await _left_over(settings, group) == total
+    check_whole_once(published, received)
+    assert await left_over(settings, TASK, group) == total
 
 
 async def test_batches_never_acknowledged_raise_a_clear_error_instead_of_hanging(
@@ -221,7 +193,7 @@ async def test_a_wait_for_an_earlier_batch_is_logged_and_ends_with_its_ack(
         def warned() -> bool:
             return sum("max_in_flight=256" in r.getMessage() for r in caplog.records) >= 2
 
-        await _wait_until(warned, "the wait was logged twice")
+        await wait_until(warned, "the wait was logged twice")
         assert not second.done()
         warning = next(r for r in caplog.records if "max_in_flight" in r.getMessage())
         assert warning.levelno == logging.WARNING
@@ -239,8 +211,8 @@ async def test_a_wait_for_an_earlier_batch_is_logged_and_ends_with_its_ack(
             for ep in batch:
                 await client.ack(ep)
             received.extend(batch)
-    _check_whole_once(published, received)
-    assert await _left_over(settings, group) == 0
+    check_whole_once(published, received)
+    assert await left_over(settings, TASK, group) == 0
 
 
 async def test_a_trainer_acknowledging_beside_its_loop_keeps_backpressure(
@@ -283,18 +255,18 @@ async def test_a_trainer_acknowledging_beside_its_loop_keeps_backpressure(
         acks = asyncio.create_task(acker())
         reading = asyncio.create_task(loop())
         try:
-            await _wait_until(lambda: client.stats["flow_control_waits"] > 0, "it waits")
+            await wait_until(lambda: client.stats["flow_control_waits"] > 0, "it waits")
             assert not reading.done()
             # handed out before it waited: up to max_in_flight of its own before the
             # client gives the other task a turn, the fetch then, the episodes it completed
             assert MAX_IN_FLIGHT <= most_held < 2 * MAX_IN_FLIGHT + 2 * longest, most_held
             resume.set()
             await asyncio.wait_for(reading, 90)
-            await _wait_until(pending.empty, "every episode acknowledged")
+            await wait_until(pending.empty, "every episode acknowledged")
         finally:
             acks.cancel()
             reading.cancel()
-    _check_whole_once(published, received)
+    check_whole_once(published, received)
 
 
 def test_max_staleness_without_a_policy_version_is_refused() -> None:
@@ -329,11 +301,11 @@ async def test_stale_episodes_are_dropped_whole_counted_and_committed(
         await asyncio.wait_for(read_all(), 60)
         stats = dict(client.stats)
     if unit == "episodes":
-        _check_whole_once(fresh, received)
+        check_whole_once(fresh, received)
         assert stats["stale_episodes_dropped"] == len(stale)
     else:
         assert {seg.episode for seg in received} == {ep.episode for ep in fresh}
         assert len(received) == sum(ep.n for ep in fresh)
         assert stats["stale_segments_dropped"] == sum(ep.n for ep in stale)
     assert stats["stale_dropped"] == sum(ep.n for ep in stale)  # events
-    assert await _left_over(settings, group) == 0  # the dropped ones are committed too
+    assert await left_over(settings, TASK, group) == 0  # the dropped ones are committed too

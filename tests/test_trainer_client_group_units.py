@@ -207,6 +207,20 @@ def test_ack_says_whether_it_counts(strict: bool) -> None:
     assert kept is True and moved is False
 
 
+async def _ack_during_a_revocation(client: ReplayClient) -> asyncio.Task[bool]:
+    """``client`` holding one segment of TP unacknowledged when a revocation begins (a
+    committer task that commits nothing meanwhile): the trainer's ack of it, started and
+    given 50 ms."""
+    client._progress[TP] = _PartitionProgress(0, epoch=1)
+    client._handed_out[TP] = {0: 0}
+    client._in_flight = 1
+    client._settled.clear()  # a revocation has begun
+    client._committer = asyncio.create_task(asyncio.sleep(3600))  # no commit here
+    ack = asyncio.create_task(client.ack(seg(0, 0, 0, offset=0, tenure=1)))
+    await asyncio.sleep(0.05)
+    return ack
+
+
 @pytest.mark.parametrize("kept", [True, False])
 def test_a_coalesced_ack_during_a_rebalance_waits_for_its_outcome(kept: bool) -> None:
     """From the start of a revocation (whose commit may be made already, without this ack)
@@ -217,13 +231,7 @@ def test_a_coalesced_ack_during_a_rebalance_waits_for_its_outcome(kept: bool) ->
 
     async def run() -> bool:
         client = ReplayClient("t", "g", commit_every_ms=50)
-        client._progress[TP] = _PartitionProgress(0, epoch=1)
-        client._handed_out[TP] = {0: 0}
-        client._in_flight = 1
-        client._settled.clear()  # a revocation has begun
-        client._committer = asyncio.create_task(asyncio.sleep(3600))  # no commit here
-        ack = asyncio.create_task(client.ack(seg(0, 0, 0, offset=0, tenure=1)))
-        await asyncio.sleep(0.05)
+        ack = await _ack_during_a_revocation(client)
         assert not ack.done()
         if not kept:
             client._lose([TP])
@@ -252,13 +260,7 @@ def test_a_coalesced_ack_the_revocation_commit_carried_counts_though_the_partiti
                 pass
 
         client._consumer = Consumer()  # type: ignore[assignment]
-        client._progress[TP] = _PartitionProgress(0, epoch=1)
-        client._handed_out[TP] = {0: 0}
-        client._in_flight = 1
-        client._settled.clear()  # a revocation has begun
-        client._committer = asyncio.create_task(asyncio.sleep(3600))  # no commit here
-        ack = asyncio.create_task(client.ack(seg(0, 0, 0, offset=0, tenure=1)))
-        await asyncio.sleep(0.05)
+        ack = await _ack_during_a_revocation(client)
         await client._commit()  # the revocation's commit, after the one under way
         client._lose([TP])  # the partition goes
         client._settled.set()

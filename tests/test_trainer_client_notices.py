@@ -20,8 +20,8 @@ import time
 from typing import Any
 
 import pytest
-from replay_support import publish_replay
-from support import env_for, make_episodes, settings_for
+from replay_support import publish_replay, settings_with_replay
+from support import env_for, make_episodes
 
 from trajbus.consumers.replay import notices
 from trajbus.consumers.replay.client import ReplayClient
@@ -50,8 +50,8 @@ async def test_a_task_without_a_replay_topic_is_warned_about_after_a_bounded_wai
     monkeypatch.setattr(notices, "MISSING_TASK_WARN_AFTER_S", 1.0)
     monkeypatch.setattr(notices, "MISSING_TASK_WARN_EVERY_S", 1.0)
     caplog.set_level(logging.WARNING, LOGGER)
-    settings = settings_for(kafka_broker.bootstrap, unique_name)
-    await publish_replay(settings, "web-shop", make_episodes(1, seed=51, task="web-shop"))
+    settings = await settings_with_replay(kafka_broker.bootstrap, unique_name, "web-shop", 1,
+                                          seed=51)
     async with ReplayClient(["web-shp"], f"{unique_name}-typo", settings):
         line = await _wait_for_line(caplog, "have no replay topic", 30)
         assert "['web-shp']" in line and "did you mean 'web-shop'" in line, line
@@ -66,8 +66,8 @@ async def test_a_task_without_a_replay_topic_is_warned_about_after_a_bounded_wai
 async def test_a_new_group_is_said_once_with_the_similar_existing_groups(
         kafka_broker: Any, unique_name: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, LOGGER)
-    settings = settings_for(kafka_broker.bootstrap, unique_name)
-    await publish_replay(settings, "web-shop", make_episodes(2, seed=53, task="web-shop"))
+    settings = await settings_with_replay(kafka_broker.bootstrap, unique_name, "web-shop", 2,
+                                          seed=53)
     group = f"{unique_name}-trainer-main"
     for _ in range(2):  # a new group, then the same one resumed: said the first time only
         async with ReplayClient("web-shop", group, settings) as client:
@@ -131,14 +131,19 @@ async def _time_to_join(settings: Any, group: str, instance: str | None) -> floa
         return time.monotonic() - started
 
 
+async def _join_after_a_killed_run(settings: Any, group: str, instance: str | None) -> float:
+    """Seconds a trainer (``instance``: its group_instance_id) takes to join ``group`` right
+    after a run of it with the same ``instance`` was SIGKILLed."""
+    await asyncio.to_thread(_killed_trainer, settings, group, instance or "")
+    return await _time_to_join(settings, group, instance)
+
+
 async def test_a_restart_waits_for_the_killed_runs_session_and_says_so(
         kafka_broker: Any, unique_name: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, LOGGER)
-    settings = settings_for(kafka_broker.bootstrap, unique_name)
-    await publish_replay(settings, "web-shop", make_episodes(4, seed=54, task="web-shop"))
-    group = f"{unique_name}-restart"
-    await asyncio.to_thread(_killed_trainer, settings, group, "")
-    took = await _time_to_join(settings, group, None)
+    settings = await settings_with_replay(kafka_broker.bootstrap, unique_name, "web-shop", 4,
+                                          seed=54)
+    took = await _join_after_a_killed_run(settings, f"{unique_name}-restart", None)
     assert took > notices.JOIN_WAIT_LOG_AFTER_S, took  # the case in question: a stall
     line = _lines(caplog, "to join the group")[0]
     assert "member(s)" in line and "session times out" in line, line
@@ -149,10 +154,8 @@ async def test_a_restart_waits_for_the_killed_runs_session_and_says_so(
 async def test_a_restart_with_a_group_instance_id_takes_the_killed_runs_place_at_once(
         kafka_broker: Any, unique_name: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, LOGGER)
-    settings = settings_for(kafka_broker.bootstrap, unique_name)
-    await publish_replay(settings, "web-shop", make_episodes(4, seed=55, task="web-shop"))
-    group = f"{unique_name}-static"
-    await asyncio.to_thread(_killed_trainer, settings, group, "trainer-0")
-    took = await _time_to_join(settings, group, "trainer-0")
+    settings = await settings_with_replay(kafka_broker.bootstrap, unique_name, "web-shop", 4,
+                                          seed=55)
+    took = await _join_after_a_killed_run(settings, f"{unique_name}-static", "trainer-0")
     assert took < notices.SESSION_TIMEOUT_S / 2, took
     assert _lines(caplog, "to join the group") == []
