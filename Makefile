@@ -14,12 +14,13 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 
-.PHONY: demo test test-fast test-unit lint bench soak setup jars spark-jars browser promtool clean help
+.PHONY: demo test test-fast test-unit test-kafka test-faults lint bench soak setup jars spark-jars browser promtool clean help
 
 help:
 	@echo "make demo   - run the main job: local Kafka, processors, simulated fleet, archive"
 	@echo "make test   - set up and run the whole test suite against a real local broker"
-	@echo "make test-unit - the tests that need no broker and no Java (no set-up of Kafka)"
+	@echo "make test-unit - tests/unit: no broker, no Java, no set-up of Kafka (under a minute)"
+	@echo "make test-kafka / test-faults - tests/kafka (a real broker) / tests/faults (kills, outages)"
 	@echo "make bench  - run the benchmarks under bench/ and write BENCHMARKS.md"
 	@echo "make soak   - the pipeline 10x under stress (CPU hogs, worker SIGKILL, broker restarts)"
 	@echo "             then the scale test (20,000 open episodes: SIGKILL, join, leave)"
@@ -65,9 +66,16 @@ demo: setup
 test: setup
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
-# The tests that need no broker and no Java, in one process: the fast loop while editing.
+# The layers (tests/unit, tests/kafka, tests/faults; see tests/conftest.py). tests/unit needs no
+# broker and no Java, and sets none up: the fast loop while editing.
 test-unit: $(STAMP)
-	$(PY) -m pytest -p no:xdist -m "not kafka and not java and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 tests/unit $(PYTEST_ARGS)
+
+test-kafka: setup
+	$(PY) -m pytest $(XDIST) tests/kafka $(PYTEST_ARGS)
+
+test-faults: setup
+	$(PY) -m pytest $(XDIST) tests/faults $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
@@ -86,7 +94,7 @@ bench: setup
 soak: setup
 	rc=0; \
 	$(PY) tests/soak.py $(SOAK_ARGS) || rc=1; \
-	TRAJBUS_SCALE_TEST=1 $(PY) -m pytest -m slow -s tests/test_scale_recovery.py || rc=1; \
+	TRAJBUS_SCALE_TEST=1 $(PY) -m pytest -m slow -s tests/faults/test_scale_recovery.py || rc=1; \
 	exit $$rc
 
 clean:

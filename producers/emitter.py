@@ -132,7 +132,7 @@ T = TypeVar("T")
 #: writes is free text and passes this sandbox's :class:`Redactor` before it is encoded or
 #: journaled. Paths: ``<Kind>.<field>[.<field>...]``; ``[]`` = the items of an array, ``{}`` =
 #: the values of a map, ``{key}`` = its keys; ``*`` = every kind (the envelope, ``header``).
-#: ``tests/test_redaction_schema_fields.py`` walks ``schemas/avro/*.avsc`` and plants secrets
+#: ``tests/kafka/test_redaction_schema_fields.py`` walks ``schemas/avro/*.avsc`` and plants secrets
 #: in every string/bytes field of every emitted kind that is not listed here: a field added to a
 #: schema fails it until it is redacted (and planted by the test) or listed here with a reason.
 EXACT_FIELDS: Mapping[str, str] = {

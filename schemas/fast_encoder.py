@@ -7,7 +7,7 @@ a compiled closure writes the same bytes (Avro binary encoding is unique for a g
 schema, union branch and value) in a few us. Anything else (a missing or extra field, a bool
 for a long, an int for a double, an out-of-range long, a schema with logical types, fixed,
 other unions...) raises :class:`~trajbus.schemas.codegen.Fallback` and fastavro encodes or
-raises exactly as it would without this encoder. tests/test_codec.py checks byte-equality with
+raises exactly as it would without this encoder. tests/unit/test_codec.py checks byte-equality with
 fastavro on every kind's samples and on fuzz.
 
 :func:`compile_encoder` is the entry point (the codec calls it once per kind).

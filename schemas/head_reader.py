@@ -13,8 +13,9 @@ invalid UTF-8, bytes missing or left over, raise :class:`~trajbus.schemas.codege
 does every record of a schema it does not cover (logical types, recursive records, a writer
 resolved to another reader schema: no reader is generated). ``decode()`` then decides: it
 returns the record or raises the DecodeError it always raised. So for all bytes b,
-``decode_head(b)`` equals the head of ``decode(b)``, errors included; tests/test_codec.py checks
-it on every kind's samples, mutated and truncated bytes and random bytes.
+``decode_head(b)`` equals the head of ``decode(b)``, errors included;
+tests/unit/test_codec.py checks it on every kind's samples, mutated and truncated bytes
+and random bytes.
 
 :func:`compile_head_reader` is the entry point (the codec calls it once per writer schema);
 :func:`top_enum_fields` names the enum fields a head carries.

@@ -1,7 +1,7 @@
 """pydantic v2 models mirroring the Avro schemas in `schemas/avro/` field by field.
 
 The `.avsc` files are the contract; these models are the typed Python face of it (a test,
-`tests/test_schema_models.py`, proves the two agree). Build events with them, encode with
+`tests/unit/test_schema_models.py`, proves the two agree). Build events with them, encode with
 :func:`encode_event`, decode with :func:`decode_event`. Hot paths (processor cores) work on
 the decoded dicts directly and skip model validation.
 """

@@ -1,4 +1,8 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures, and the test layers.
+
+The tests live in three folders, marked by folder (``pytest_collection_modifyitems``):
+``unit`` (no broker, no Java), ``kafka`` (a real broker) and ``faults`` (brokers, workers or
+S3 killed, paused or cut off). Helpers the layers share stay in ``tests/`` itself.
 
 - ``kafka_broker`` (session): a real single-node Kafka broker on a free port, data under
   pytest's tmp dir, stopped at the end of the session. Set ``TRAJBUS_TEST_BOOTSTRAP`` to
@@ -18,6 +22,7 @@ import re
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from support import broker_unavailable
@@ -25,15 +30,38 @@ from support import broker_unavailable
 from trajbus.infra.broker import KafkaSetupError, LocalBroker, free_port
 from trajbus.infra.cluster import LocalCluster
 
+TESTS = Path(__file__).resolve().parent
 _BROKER_FIXTURES = {"kafka_broker", "kafka_cluster", "restore_cluster"}
 
 
+_LAYERS = ("unit", "kafka", "faults")
+
+
+def _layer(item: pytest.Item) -> str | None:
+    parts = item.path.relative_to(TESTS).parts
+    return parts[0] if len(parts) > 1 and parts[0] in _LAYERS else None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that asks for a broker (directly or through another fixture) is a ``kafka``
-    test, marked or not: ``make test-unit`` (``-m "not kafka"``) runs without Java."""
+    """Mark each test by its folder: ``tests/unit`` (no broker, no Java: ``make test-unit``),
+    ``tests/kafka`` (``kafka``: a real broker) and ``tests/faults`` (``kafka`` and ``faults``:
+    brokers, workers or S3 killed, paused or cut off). A unit test that asks for a broker is an
+    error that says where it belongs, so the fast loop never starts Java."""
+    misplaced = []
     for item in items:
-        if _BROKER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        layer = _layer(item)
+        wants_broker = bool(_BROKER_FIXTURES & set(getattr(item, "fixturenames", ())))
+        if layer == "unit" and (wants_broker or item.get_closest_marker("kafka")
+                                or item.get_closest_marker("java")):
+            misplaced.append(item.nodeid)
+        if layer in ("kafka", "faults") or wants_broker:
             item.add_marker(pytest.mark.kafka)
+        if layer == "faults":
+            item.add_marker(pytest.mark.faults)
+    if misplaced:
+        raise pytest.UsageError(
+            "tests in tests/unit need a broker or Java; move them to tests/kafka or "
+            "tests/faults: " + ", ".join(misplaced))
 
 
 @dataclass

@@ -18,7 +18,7 @@ anomaly, and the archive holds every acknowledged event once. The results go to
 ``.trajbus/soak/results.jsonl`` (one line per run: conditions, seconds, pass/fail) and a
 table at the end; the exit status is non-zero if any run failed. RELIABILITY.md records them.
 
-``tests/test_soak_short.py`` runs one such run (worker kill + broker restart + hogs) in CI.
+``tests/faults/test_soak_short.py`` runs one such run (worker kill + broker restart + hogs) in CI.
 """
 
 from __future__ import annotations

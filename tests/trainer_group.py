@@ -18,7 +18,8 @@ episode of the manifest is acknowledged. The checks (:func:`violations`):
 - an episode the client does not mark complete is counted by reason (none is expected here:
   every member starts from the group's commit).
 
-Used by tests/test_trainer_group.py (one run each) and tests/trainer_group_drill.py (--runs N).
+Used by tests/kafka/test_trainer_group.py (one run each) and tests/trainer_group_drill.py
+(--runs N).
 """
 
 from __future__ import annotations

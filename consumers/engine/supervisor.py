@@ -1,6 +1,7 @@
 """A worker process: its processors side by side, kept running through broker restarts.
 
-What it guarantees (docs/decisions/0012-worker-supervisor.md; tests/test_worker_supervisor.py):
+What it guarantees (docs/decisions/0012-worker-supervisor.md;
+tests/kafka/test_worker_supervisor.py):
 
 - **A broker restart does not stop a processor.** One that fails because the broker went away
   (a lost connection, a coordinator gone; aiokafka surfaces some of these as a fatal error of

@@ -227,7 +227,7 @@ class TransactionsMixin(RunnerState):
             # back NOT_ENOUGH_REPLICAS ("Unable to verify ... NETWORK_EXCEPTION") and is
             # retried after aiokafka's 100 ms backoff (or the offsets' comes back
             # COORDINATOR_NOT_AVAILABLE). docs/decisions/0014-offsets-after-acks.md,
-            # tests/test_runner_txn_retries.py.
+            # tests/kafka/test_runner_txn_retries.py.
             await self._producer.send_offsets_to_transaction(offsets, self.group_id)
 
     def _log_stats(self) -> None:

@@ -33,7 +33,7 @@ Time -- what judges what
     than the idle timeout; judged by ticks, the stream would be evicted as idle and its loop
     count start over, so a loop that `replay explain` and `watchdog explain --from-log` find
     would be missed (docs/decisions/0018-watchdog-timers-on-log-time.md;
-    tests/test_watchdog_log_time.py).
+    tests/unit/test_watchdog_log_time.py).
 
     What log time cannot hide: an outage of the pipeline appears in the log as a gap of its
     length, so a stream silent for a threshold minus the outage may be judged differently

@@ -10,7 +10,7 @@ from pathlib import Path
 from trajbus.producers.emitter import SandboxEmitter
 from trajbus.producers.sending import SenderMember
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _members(protocol: type) -> set[str]:

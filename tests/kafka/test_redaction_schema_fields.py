@@ -42,7 +42,7 @@ from trajbus.producers.testing import create_topics, make_settings, read_topics
 from trajbus.schemas.codec import default_codec
 from trajbus.schemas.registry import ENVELOPE
 
-SCHEMA_DIR = Path(__file__).resolve().parents[1] / "schemas" / "avro"
+SCHEMA_DIR = Path(__file__).resolve().parents[2] / "schemas" / "avro"
 
 #: Event kinds the sandbox emitter never writes, and who does. The emitter's guarantee covers
 #: what leaves a sandbox; these are written outside it: by the worker from the emitter's

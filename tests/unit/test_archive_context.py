@@ -2,7 +2,7 @@
 are archived beside the events with the same exactly-once machinery, and every episode's
 outcome (complete / truncated by what / terminated by which decision / in progress) is
 answered by the archive alone. Store-level tests (no broker); the end-to-end run against a
-real broker is tests/test_archive_context_kafka.py."""
+real broker is tests/kafka/test_archive_context_kafka.py."""
 
 from __future__ import annotations
 

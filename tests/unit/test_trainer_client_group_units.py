@@ -1,5 +1,5 @@
 """What keeps a group of trainers exactly-once, without a broker (issue 41, item 2; the broker
-drill is tests/test_trainer_group.py): an episode says whether it is whole; the commit point
+drill is tests/kafka/test_trainer_group.py): an episode says whether it is whole; the commit point
 never passes the first segment of an episode not acknowledged; what is acknowledged beyond it
 travels in the commit's metadata -- compactly enough for thousands of interleaved live
 segments -- so the partition's next owner skips it; an acknowledgement made after the

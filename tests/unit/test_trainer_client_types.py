@@ -25,7 +25,7 @@ from trajbus.consumers.replay.client import ReplayClient, SyncReplayClient
 from trajbus.schemas import models as m
 from trajbus.schemas.codec import default_codec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_sync_client_takes_exactly_the_async_clients_parameters() -> None:

@@ -1,6 +1,6 @@
 """Processor workers killed with SIGKILL mid-stream and restarted (issue 9, fault 2).
 
-Reorder alone is covered by tests/test_replay_e2e.py::test_worker_killed_mid_stream_still_
+Reorder alone is covered by tests/faults/test_replay_e2e.py::test_worker_killed_mid_stream_still_
 delivers_each_event_once; here: the watchdog (one LOOP alert per loop across restarts, counted
 as records, never deduplicated by the test), the scheduler (decisions continue after the
 restart, no event id twice) and a rebalance between two reorder workers when one is killed.

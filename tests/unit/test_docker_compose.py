@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-COMPOSE = Path(__file__).resolve().parents[1] / "infra" / "docker-compose.yml"
+COMPOSE = Path(__file__).resolve().parents[2] / "infra" / "docker-compose.yml"
 
 
 def _load() -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Production's shape: a real 3-node KRaft cluster (``trajbus kafka up --nodes 3``), its topics
 replicated with min.insync.replicas 2, and clients that ride out a node's death.
 
-The whole pipeline under node faults is in tests/test_cluster_pipeline.py (and the soak with
+The whole pipeline under node faults is in tests/faults/test_cluster_pipeline.py (and the soak with
 ``--nodes 3``); these are the cluster's own properties and the clients' close path."""
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.timeout(420)]
 
 PARTITIONS = 3  # odd: a round-robin assignment would split partition p of the two input topics
 EPISODES = 1000  # ~12,000 events with duplicates: seconds of one worker's CPU
-RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
 Episodes = dict[tuple[str, str], list[bytes]]

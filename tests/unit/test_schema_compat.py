@@ -14,7 +14,7 @@ from hypothesis import given, settings
 
 from trajbus.schemas.testing import records
 
-ROOT = Path(__file__).resolve().parents[1] / "schemas"
+ROOT = Path(__file__).resolve().parents[2] / "schemas"
 CURRENT = ROOT / "avro"
 RELEASED = sorted((ROOT / "compat").glob("v*"))
 

@@ -3,7 +3,7 @@ worker, a SIGKILL and restart, a second worker joining and leaving while events 
 end every event of every episode at a trainer exactly once.
 
 Not part of `make test` / CI (minutes, and a loaded box skews its figures): `make soak` runs it,
-``TRAJBUS_SCALE_TEST=1 .venv/bin/pytest -m slow -s tests/test_scale_recovery.py``; without
+``TRAJBUS_SCALE_TEST=1 .venv/bin/pytest -m slow -s tests/faults/test_scale_recovery.py``; without
 ``TRAJBUS_SCALE_TEST=1`` it skips. ``TRAJBUS_SCALE_EPISODES`` (default 20,000; 20 episodes per
 sandbox) makes it smaller for development.
 

@@ -1,5 +1,5 @@
 """The trainer client's parts that need no broker: its sync iterator's closing and its start
-positions (see tests/test_trainer_client_early_exit.py for the same behaviour on a broker)."""
+positions (see tests/kafka/test_trainer_client_early_exit.py for the same behaviour on a broker)."""
 
 from __future__ import annotations
 
