@@ -30,8 +30,8 @@ Time: cores never read the clock. Each runner's ticker publishes :class:`Tick` e
 input partitions, so ticks are part of the log and an offline replay makes the same decisions.
 
 Why not a faust agent: faust-streaming's ``exactly_once`` logs and swallows transaction errors
-(STACK-NOTES.md, faust #517/#177), its timers cannot be driven by a test, and its table
-recovery can skip records fetched during the recovery after a SIGKILL (README, "Design").
+(faust #517/#177), its timers cannot be driven by a test, and its table recovery can skip
+records fetched during the recovery after a SIGKILL (README, "Design": "One engine").
 This loop is explicit aiokafka with the same table-plus-changelog recovery model.
 
 The runner is a façade over one module per concern; each is a mixin over the shared
