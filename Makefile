@@ -7,11 +7,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
-# Two pytest workers (pytest-xdist), each with its own broker: the broker tests mostly wait on
-# the network and on Kafka's timers, so two of them share 2 cores well (18 min instead of 32 on
-# the reference box). Tests on the 3-node cluster stay together on one worker (xdist_group).
-# TEST_WORKERS=0 runs in one process.
-TEST_WORKERS ?= 2
+# Four pytest workers (pytest-xdist), each with its own broker: the broker and fault tests mostly
+# wait on the network, on Kafka's timers and on restarts, so four of them share 2 cores well
+# (RELIABILITY.md, "Test suite time"). The slowest layer is collected first (pyproject's
+# testpaths) so the long tests start early. Tests on the 3-node cluster stay together on one
+# worker (xdist_group). TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 4
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 
 .PHONY: demo test test-fast test-unit test-kafka test-faults lint bench soak setup jars spark-jars browser promtool clean help
