@@ -74,7 +74,7 @@ ALLOWED_EXCEPTIONS: dict[tuple[str, str], str] = {
         "lower layer both share",
     ("trajbus.producers.claimcheck", "trajbus.archive.storage"):
         "claim-check blobs are written through the archive's object store (local or S3)",
-    ("trajbus.archive.archiver", "trajbus.consumers.operator.tools"):
+    ("trajbus.archive.rejects", "trajbus.consumers.operator.tools"):
         "the archiver reads the retained dead letters with the operators' bounded reader",
     ("trajbus.consumers.operator.reads", "trajbus.archive.rows"):
         "a sandbox's timeline from the archive turns archive rows back into records",
