@@ -12,7 +12,7 @@ For a batch ``[first, last]`` of (topic, partition), :meth:`ArchiveWriter.write_
 5. writes the batch marker ``_batches/<topic>-<partition>/<first>-<last>.json`` naming the
    objects.
 
-Then the shell (``archive/archiver.py``):
+Then the archiver's loop (``archive/archiver.py``):
 
 6. publishes the step's dead letters;
 7. commits ``last + 1`` for the batch's partition: the first moment the batch counts as

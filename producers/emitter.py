@@ -42,10 +42,12 @@ more than one emitter is open (longer with hundreds open, up to ``send_round_max
 The sender reaches an emitter only through :class:`~trajbus.producers.sending.SenderMember`,
 implemented by :class:`~trajbus.producers.emitter_sending.SenderSide`.
 
-Rooms: this module holds :class:`SandboxEmitter` (lifecycle, the event API, drain) and
-:class:`SyncEmitter`; :mod:`.emitter_results` its errors and reports; :mod:`.eventids` event
-and producer ids; :mod:`.emitter_journal` its state directory and journal;
-:mod:`.emitter_sending` its sender-facing part.
+Rooms: this module holds :class:`SandboxEmitter` (its state, start and close, sequence
+assignment and journal append, flush and drain); :mod:`.emitter_events` its event API and the
+redaction of free text (:data:`EXACT_FIELDS`); :mod:`.emitter_sync` :class:`SyncEmitter`;
+:mod:`.emitter_results` its errors and reports; :mod:`.eventids` event and producer ids;
+:mod:`.emitter_journal` its state directory and journal; :mod:`.emitter_sending` its
+sender-facing part. Every name of the event API and the sync façade imports from here too.
 
 Ordering on Kafka follows seq order per sandbox (one partition, one in-flight batch, idempotent
 producer), except after a failed send is retried; consumers reorder by seq anyway.
@@ -55,22 +57,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import heapq
-import json
 import os
 import random
-import threading
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from aiokafka import AIOKafkaProducer
 
 from trajbus.bus.producer import get_producer
 from trajbus.bus.settings import Settings, get_settings
 from trajbus.bus.topics import Topics, validate_name
-from trajbus.consumers.watchdog.canonical import CanonicalError, canonicalizer
 from trajbus.producers.claimcheck import ClaimCheck
 from trajbus.producers.journal import Journal, JournalError
 from trajbus.producers.redact import Redactor
@@ -80,13 +78,14 @@ from trajbus.producers.sender import (
     shared_sender,
 )
 from trajbus.schemas.codec import Codec, default_codec
-from trajbus.schemas.models import (
-    EpisodeOutcome,
-    LifecycleState,
-    ToolStatus,
-    now_ms,
-)
+from trajbus.schemas.models import now_ms
 
+from .emitter_events import CANONICAL_MAX_BYTES as CANONICAL_MAX_BYTES
+from .emitter_events import CLEAN_TEXT_MAX_CHARS as CLEAN_TEXT_MAX_CHARS
+from .emitter_events import CLEAN_TEXT_MAX_ENTRIES as CLEAN_TEXT_MAX_ENTRIES
+from .emitter_events import EXACT_FIELDS, EventAPI, canonicalizers
+from .emitter_events import SUMMARY_CHARS as SUMMARY_CHARS
+from .emitter_events import _summary as _summary
 from .emitter_journal import JournalKeeping
 from .emitter_results import (
     STATE_DIR_LOCK_WAIT_S,
@@ -99,6 +98,8 @@ from .emitter_results import (
     UnflushedEvent,
 )
 from .emitter_sending import SenderSide
+from .emitter_sync import SyncEmitter
+from .emitter_sync import _LoopThread as _LoopThread
 from .eventids import default_producer_id, new_event_id
 from .sending import SANDBOX_STREAM, QueuedEvent, SenderMember
 
@@ -118,51 +119,10 @@ __all__ = [
     "UnflushedEvent",
 ]
 
-SUMMARY_CHARS = 256
-CANONICAL_MAX_BYTES = 4096
 MESSAGE_OVERHEAD = 16 * 1024  # room for the envelope and Kafka record/batch headers
-CLEAN_TEXT_MAX_CHARS = 128  # free texts up to this long are remembered when clean ...
-CLEAN_TEXT_MAX_ENTRIES = 4096  # ... this many per set of redaction rules (shared by the
-# emitters whose sandboxes have the same env secrets: on a node, mostly all of them)
-T = TypeVar("T")
-
-#: The string and bytes fields of the events this emitter writes that are NOT free text, with
-#: why each must stay exact (they key, join or dedupe streams, or are hashes and references).
-#: They are written as given. EVERY OTHER string or bytes field of every event kind the emitter
-#: writes is free text and passes this sandbox's :class:`Redactor` before it is encoded or
-#: journaled. Paths: ``<Kind>.<field>[.<field>...]``; ``[]`` = the items of an array, ``{}`` =
-#: the values of a map, ``{key}`` = its keys; ``*`` = every kind (the envelope, ``header``).
-#: ``tests/kafka/test_redaction_schema_fields.py`` walks ``schemas/avro/*.avsc`` and plants secrets
-#: in every string/bytes field of every emitted kind that is not listed here: a field added to a
-#: schema fails it until it is redacted (and planted by the test) or listed here with a reason.
-EXACT_FIELDS: Mapping[str, str] = {
-    "*.header.event_id": "event id: generated uuid4 hex (downstream dedup)",
-    "*.header.task": "task id (validate_name alphabet): topic names, archive paths",
-    "*.header.sandbox": "sandbox id (validate_name alphabet): Kafka key, archive paths",
-    "*.header.episode": "episode id (validate_name alphabet): the stream of the seq",
-    "*.header.producer_id": "id of the emitting process",
-    "SandboxLifecycle.node": "node id: the scheduler matches it with NodeReport.node",
-    "SandboxLifecycle.tenant": "tenant id: the scheduler's credit account",
-    "EpisodeStart.tenant": "tenant id: the scheduler's credit account",
-    "ToolCall.call_id": "call id: pairs a ToolCall with its ToolResult",
-    "ToolCall.args_hash": "sha256 hex of the (redacted) canonical args",
-    "ToolResult.call_id": "call id: pairs a ToolCall with its ToolResult",
-    "ToolResult.result_hash": "sha256 hex of the (redacted) canonical result",
-    "TraceChunk.sha256": "sha256 hex of the (redacted) chunk bytes",
-    "TraceChunk.blob.uri": "claim-check reference built from settings and the content hash",
-    "TraceChunk.blob.sha256": "sha256 hex of the (redacted) blob bytes",
-    "Drained.final_seqs[].episode": "episode id (validate_name alphabet)",
-    "DecisionAck.decision_event_id": "event id of the decision (validate_name alphabet): "
-                                     "the scheduler and `alerts` join on it",
-    "DecisionAck.decision": "decision kind (validate_name alphabet), e.g. TERMINATE",
-}
 
 
-def _summary(text: str, limit: int = SUMMARY_CHARS) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-class SandboxEmitter(SenderSide, JournalKeeping):
+class SandboxEmitter(EventAPI, SenderSide, JournalKeeping):
     """Publishes one sandbox's events. Use ``async with SandboxEmitter(...) as em:`` or call
     :meth:`start` / :meth:`close`. Not thread-safe: use it from one event loop (or use
     :class:`SyncEmitter`)."""
@@ -206,8 +166,7 @@ class SandboxEmitter(SenderSide, JournalKeeping):
                               self.settings.kafka.max_request_size) - MESSAGE_OVERHEAD
         self.redactor = Redactor.for_env(env, p.redact_env)
         self._clean_text = self.redactor.clean_texts  # short texts its rules left unchanged
-        self._canon = canonicalizer(self.settings.watchdog.ignore_fields)
-        self._canon_full = canonicalizer(())
+        self._canon, self._canon_full = canonicalizers(self.settings.watchdog.ignore_fields)
         self._claim = claim_check
         self._on_ack = on_ack
         self._shuffle = shuffle
@@ -471,174 +430,6 @@ class SandboxEmitter(SenderSide, JournalKeeping):
             return False
         return True
 
-    # -- public event API ---------------------------------------------------------------------
-    async def lifecycle(self, state: LifecycleState | str, *, reason: str = "",
-                        node: str | None = None, tenant: str | None = None,
-                        event_time_ms: int | None = None) -> str:
-        """Publish a lifecycle transition (previous state is tracked, also across restarts)."""
-        st = LifecycleState(state).value
-        eid, _ = await self._emit("SandboxLifecycle", None, {
-            "state": st, "previous_state": self._lifecycle, "node": node,
-            "tenant": tenant or self.tenant, "reason": self._text(reason),
-        }, event_time_ms=event_time_ms, extra={"ls": st})
-        return eid
-
-    async def heartbeat(self, *, lease_ttl_ms: int | None = None,
-                        event_time_ms: int | None = None) -> str:
-        ttl = lease_ttl_ms if lease_ttl_ms is not None else self.settings.scheduler.lease_ttl_ms
-        eid, _ = await self._emit("Heartbeat", None, {"lease_ttl_ms": ttl},
-                                  event_time_ms=event_time_ms)
-        return eid
-
-    async def liveness(self, ok: bool, *, probe: str = "tcp", target: str = "",
-                       latency_ms: int = 0, error: str | None = None,
-                       event_time_ms: int | None = None) -> str:
-        text = self._text
-        eid, _ = await self._emit("LivenessProbe", None, {
-            "probe": text(probe), "target": text(target), "ok": ok, "latency_ms": latency_ms,
-            "error": text(error) if error else error,
-        }, event_time_ms=event_time_ms)
-        return eid
-
-    async def acknowledge(self, decision_event_id: str, *, decision: str = "TERMINATE",
-                          done: bool = True, detail: str = "",
-                          event_time_ms: int | None = None) -> str:
-        """Answer a scheduling decision about this sandbox (its ``header.event_id``): carried
-        out (``done``) or not, with what happened. ``trajbus alerts`` shows a TERMINATE as
-        done only once this arrives; a failed one becomes the scheduler's ANOMALY."""
-        validate_name("decision event", decision_event_id)
-        validate_name("decision", decision)
-        eid, _ = await self._emit("DecisionAck", None, {
-            "decision_event_id": decision_event_id, "decision": decision,
-            "outcome": "DONE" if done else "FAILED", "detail": self._text(detail),
-        }, event_time_ms=event_time_ms)
-        return eid
-
-    async def start_episode(self, episode: str, *, tenant: str | None = None,
-                            env_snapshot: str | None = None,
-                            context: Mapping[str, str] | None = None,
-                            policy_version: int | None = None,
-                            event_time_ms: int | None = None) -> str:
-        """EpisodeStart (seq 0 of the episode's stream). Episode ids are never reused."""
-        validate_name("episode", episode)
-        text = self._text
-        ctx = {text(str(k)): text(str(v)) for k, v in (context or {}).items()}
-        eid, _ = await self._emit("EpisodeStart", episode, {
-            "tenant": tenant or self.tenant,
-            "env_snapshot": text(env_snapshot) if env_snapshot else env_snapshot, "context": ctx,
-        }, event_time_ms=event_time_ms, extra={"open": True, "pv": policy_version})
-        return eid
-
-    async def end_episode(self, episode: str,
-                          outcome: EpisodeOutcome | str = EpisodeOutcome.TERMINAL, *,
-                          reason: str = "", reward: float | None = None,
-                          cursor: tuple[str, Any] | None = None,
-                          event_time_ms: int | None = None) -> str:
-        """EpisodeEnd: the last seq of the episode; later events for it are refused."""
-        extra: dict[str, Any] = {"close": True}
-        if cursor is not None:
-            extra["cur"] = list(cursor)
-        eid, _ = await self._emit("EpisodeEnd", episode, {
-            "outcome": EpisodeOutcome(outcome).value, "reason": self._text(reason),
-            "reward": reward,
-        }, event_time_ms=event_time_ms, extra=extra)
-        return eid
-
-    def _text(self, text: str) -> str:
-        """A free-text field, redacted (see :data:`EXACT_FIELDS` for what is not). Short texts
-        found clean are remembered -- tool names, content types and probe kinds repeat on
-        every event -- which is exact: the rules never change, so a text with nothing to
-        redact never has (the memory is shared by the emitters with the same rules)."""
-        if not text or text in self._clean_text:
-            return text
-        out = self.redactor.redact_text(text)
-        if out is text and len(text) <= CLEAN_TEXT_MAX_CHARS and (
-                len(self._clean_text) < CLEAN_TEXT_MAX_ENTRIES):
-            self._clean_text.add(text)
-        return out
-
-    def _canonical(self, value: Any) -> tuple[str, str | None, str]:
-        """(hash, canonical-if-small, summary) of a redacted JSON-like value."""
-        if isinstance(value, bytes | bytearray):
-            value = bytes(value).decode("utf-8", "replace")
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                pass  # plain text: canonicalised as a JSON string
-        red = self.redactor.redact_value(value)
-        try:
-            full = self._canon_full.json_value(red)
-            # ``full`` is canonical text: strip_canonical removes the ignored members without
-            # a re-parse (it falls back to one when in doubt) -- same text as hash(full).
-            hashed = self._canon.strip_canonical(full) if self._canon.ignore else full
-        except CanonicalError:
-            full = self._canon_full.json_value(repr(red))
-            hashed = full
-        data = full.encode("utf-8", "surrogatepass")
-        if hashed is not full:
-            h = hashlib.sha256(hashed.encode("utf-8", "surrogatepass")).hexdigest()
-        else:
-            h = hashlib.sha256(data).hexdigest()
-        small = full if len(data) <= CANONICAL_MAX_BYTES else None
-        return h, small, _summary(full)
-
-    async def tool_call(self, episode: str, tool: str, args: Any, *, call_id: str | None = None,
-                        event_time_ms: int | None = None) -> str:
-        """ToolCall with redacted args: ``args_hash`` = sha256 of the canonical JSON with the
-        watchdog's ignored fields removed; ``args_canonical`` (all fields) only if <= 4 KiB;
-        ``args_summary`` <= 256 chars. Returns the call id."""
-        h, small, summary = self._canonical(args)
-        cid = call_id or self._new_id()[:16]
-        await self._emit("ToolCall", episode, {
-            "call_id": cid, "tool": self._text(tool), "args_hash": h, "args_canonical": small,
-            "args_summary": summary,
-        }, event_time_ms=event_time_ms)
-        return cid
-
-    async def tool_result(self, episode: str, call_id: str, tool: str, result: Any, *,
-                          status: ToolStatus | str = ToolStatus.OK, duration_ms: int = 0,
-                          event_time_ms: int | None = None) -> str:
-        h, small, summary = self._canonical(result)
-        eid, _ = await self._emit("ToolResult", episode, {
-            "call_id": call_id, "tool": self._text(tool), "status": ToolStatus(status).value,
-            "result_hash": h, "result_canonical": small, "result_summary": summary,
-            "duration_ms": duration_ms,
-        }, event_time_ms=event_time_ms)
-        return eid
-
-    async def trace_chunk(self, episode: str, data: bytes, *, file_offset: int,
-                          content_type: str = "application/octet-stream",
-                          reset: str | None = None, cursor: tuple[str, Any] | None = None,
-                          redact: bool = True, event_time_ms: int | None = None) -> str:
-        """A TraceChunk on ``Topics.trace_chunks``. ``data`` is redacted in place (length kept,
-        so offsets stay valid); above the claim-check threshold (or the message limit) it is
-        stored once in object storage and the event carries a BlobRef. ``cursor`` =
-        (name, JSON value) is journaled atomically with the event (the tailer's offsets).
-        ``content_type`` and ``reset`` are redacted as text; ``redact=False`` (or a media
-        content type) sends ``data`` unscanned."""
-        content_type = self._text(content_type)
-        if reset:
-            reset = self._text(reset)
-        if redact and not content_type.startswith(("image/", "video/", "audio/")):
-            data = self.redactor.redact_bytes(data)
-        sha = hashlib.sha256(data).hexdigest()
-        fields: dict[str, Any] = {"file_offset": file_offset, "length": len(data), "sha256": sha,
-                                  "data": data, "blob": None, "content_type": content_type,
-                                  "reset": reset}
-        claim = self._claim
-        threshold = claim.threshold if claim else self.settings.producer.claim_check_threshold
-        if len(data) > threshold or len(data) > self.max_inline:
-            if claim is None:
-                claim = self._claim = ClaimCheck(settings=self.settings)
-            ref = await asyncio.to_thread(claim.put, data, content_type)
-            fields["data"] = None
-            fields["blob"] = ref.model_dump()
-        extra = {"cur": list(cursor)} if cursor is not None else None
-        eid, _ = await self._emit("TraceChunk", episode, fields, topic=self.topics.trace_chunks,
-                                  event_time_ms=event_time_ms, extra=extra)
-        return eid
-
     # -- drain --------------------------------------------------------------------------------
     async def drain(self, deadline_s: float | None = None, *, detail: str = "") -> DrainReport:
         """Flush everything pending, wait for broker acks, then publish Drained with the final
@@ -697,89 +488,6 @@ class _SendHandle:
 
     def done(self) -> bool:
         return self._em._send_state != "active"
-
-
-# -- sync wrapper --------------------------------------------------------------------------
-class _LoopThread:
-    """One background event loop per process for all SyncEmitters (so they share one
-    producer, like async emitters do)."""
-
-    _instance: _LoopThread | None = None
-    _lock = threading.Lock()
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="trajbus-emitter",
-                                       daemon=True)
-        self.thread.start()
-
-    @classmethod
-    def get(cls) -> _LoopThread:
-        with cls._lock:
-            if cls._instance is None:
-                cls._instance = cls()
-            return cls._instance
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-
-class SyncEmitter:
-    """Blocking facade over :class:`SandboxEmitter` for runtimes that are not async. Same
-    arguments and guarantees; calls run on a shared background loop thread."""
-
-    def __init__(self, sandbox: str, task: str, **kwargs: Any) -> None:
-        self._lt = _LoopThread.get()
-
-        async def make() -> SandboxEmitter:
-            return await SandboxEmitter(sandbox, task, **kwargs).start()
-
-        self.emitter: SandboxEmitter = self._lt.run(make())
-
-    def _call(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
-        async def go() -> T:
-            return await fn(*args, **kwargs)
-
-        return self._lt.run(go())
-
-    def lifecycle(self, *a: Any, **k: Any) -> str:
-        return self._call(self.emitter.lifecycle, *a, **k)
-
-    def heartbeat(self, *a: Any, **k: Any) -> str:
-        return self._call(self.emitter.heartbeat, *a, **k)
-
-    def liveness(self, *a: Any, **k: Any) -> str:
-        return self._call(self.emitter.liveness, *a, **k)
-
-    def start_episode(self, *a: Any, **k: Any) -> str:
-        return self._call(self.emitter.start_episode, *a, **k)
-
-    def end_episode(self, *a: Any, **k: Any) -> str:
-        return self._call(self.emitter.end_episode, *a, **k)
-
-    def tool_call(self, *a: Any, **k: Any) -> str:
-        return self._call(self.emitter.tool_call, *a, **k)
-
-    def tool_result(self, *a: Any, **k: Any) -> str:
-        return self._call(self.emitter.tool_result, *a, **k)
-
-    def trace_chunk(self, *a: Any, **k: Any) -> str:
-        return self._call(self.emitter.trace_chunk, *a, **k)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        return self._call(self.emitter.flush, timeout)
-
-    def drain(self, deadline_s: float | None = None, *, detail: str = "") -> DrainReport:
-        return self._call(self.emitter.drain, deadline_s, detail=detail)
-
-    def close(self, timeout: float = 10.0) -> bool:
-        return self._call(self.emitter.close, timeout)
-
-    def __enter__(self) -> SyncEmitter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _implements_sender_member(em: SandboxEmitter) -> SenderMember:
