@@ -40,8 +40,7 @@ class IterationMixin(ClientState):
                 yield seg
                 read.at_trainer = False
         finally:
-            await segments.aclose()
-            self._release(read)
+            await self._end_read(read, segments)
 
     async def episodes(self, idle_timeout: float | None = None
                        ) -> AsyncGenerator[Episode, None]:
@@ -86,8 +85,13 @@ class IterationMixin(ClientState):
                     yield ep
                     read.at_trainer = False
         finally:
-            await segments.aclose()
-            self._release(read)
+            await self._end_read(read, segments)
+
+    async def _end_read(self, read: _Read, segments: AsyncGenerator[Segment, None]) -> None:
+        """An iterator ends: its fetch loop ``segments`` is closed, then what it read and did
+        not hand out is released (:meth:`_release`)."""
+        await segments.aclose()
+        self._release(read)
 
     def _new_read(self) -> _Read:
         """The state of a new iterator. An earlier one that was left without being closed
