@@ -10,5 +10,6 @@
   explain, consume, dead letters, alerts, waterfall).
 
 The ``core`` modules of replay, watchdog and scheduler are pure (no Kafka, no clock, no I/O);
-Kafka lives in ``engine``, ``replay.client`` and ``operator``.
+Kafka lives in ``engine``, the replay client (``replay.client`` and its rooms) and
+``operator``.
 """

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 
 if TYPE_CHECKING:
-    from trajbus.consumers.replay.client import ReplayClient
+    from trajbus.consumers.replay.state import ClientState
 
 log = logging.getLogger("trajbus.consumers.replay.client")
 
@@ -30,7 +30,7 @@ class _GroupRebalancing(Exception):
 
 
 class _StartAt(ConsumerRebalanceListener):
-    def __init__(self, client: ReplayClient) -> None:
+    def __init__(self, client: ClientState) -> None:
         self.client = client
 
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:

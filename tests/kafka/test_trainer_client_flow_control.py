@@ -24,6 +24,7 @@ from replay_support import check_whole_once, left_over, publish_live, wait_until
 from support import Episode, make_episodes, settings_for
 
 import trajbus.consumers.replay.client as client_mod
+from trajbus.consumers.replay import fetching
 from trajbus.consumers.replay.client import ReplayClient, SyncReplayClient
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]
@@ -166,8 +167,8 @@ async def test_a_wait_for_an_earlier_batch_is_logged_and_ends_with_its_ack(
     asks for the next batch before acknowledging the last: the new loop waits for those
     acknowledgements (backpressure) -- logging a WARNING naming ``max_in_flight`` while it
     waits -- and goes on once they come."""
-    monkeypatch.setattr(client_mod, "_FLOW_WARN_AFTER_S", 0.2)
-    monkeypatch.setattr(client_mod, "_FLOW_WARN_EVERY_S", 0.5)
+    monkeypatch.setattr(fetching, "_FLOW_WARN_AFTER_S", 0.2)  # the fetch loop's room
+    monkeypatch.setattr(fetching, "_FLOW_WARN_EVERY_S", 0.5)
     caplog.set_level(logging.WARNING, logger=client_mod.__name__)
     settings = settings_for(kafka_broker.bootstrap, unique_name)
     published = _episodes(3 * BATCH, seed=45)

@@ -94,6 +94,7 @@ async def test_a_start_position_that_failed_to_resolve_is_tried_again(
     commit -- for a new group, the history the trainer asked to skip. They wait, paused, and
     the fetch loop positions them; a partition counts as positioned only once sought."""
     from trajbus.consumers.replay import client as client_module
+    from trajbus.consumers.replay import positions
 
     fresh, known = TopicPartition("replay.new", 0), TopicPartition("replay.t", 0)
     consumer = _PositionsOnly({fresh, known})
@@ -106,7 +107,7 @@ async def test_a_start_position_that_failed_to_resolve_is_tried_again(
             raise RuntimeError("ListOffsets timed out")
         return {t: 7 for t in tps}
 
-    monkeypatch.setattr(client_module, "resolve_offsets", resolve)
+    monkeypatch.setattr(positions, "resolve_offsets", resolve)
     client = ReplayClient("t", "g", start="latest")
     client._consumer = consumer
     client._latest_at_start = {known: 42}
