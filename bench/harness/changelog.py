@@ -177,7 +177,7 @@ async def restore_once(bootstrap: str, prefix: str, partitions: int) -> dict[str
         def emit(self, record: logging.LogRecord) -> None:
             lines.append(record.getMessage())
 
-    lg = logging.getLogger("trajbus.runner")
+    lg = logging.getLogger("trajbus.ops")  # where the runner logs its restore line
     handler = Grab()
     lg.addHandler(handler)
     lg.setLevel(logging.INFO)
