@@ -198,7 +198,7 @@ async def peer_aiokafka(a: argparse.Namespace) -> int:
         if txn:
             # the records first: a Kafka 4 broker keeps one pending transaction verification
             # per producer, and offsets sent while records are in flight make aiokafka retry
-            # (the worker does the same since issue 17; RELIABILITY.md)
+            # (the worker does the same; RELIABILITY.md)
             await p.flush()
             await p.send_offsets_to_transaction(dict(offsets), a.group)
             await p.commit_transaction()
