@@ -70,7 +70,6 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,335 +77,29 @@ ROOT = Path(__file__).resolve().parent.parent
 if not os.environ.get("BENCH_E2E_TREE"):  # a variant of another commit: its tree is on the path
     sys.path.insert(0, str(ROOT))
 
-from trajbus.bus.settings import (  # noqa: E402
-    KafkaSettings,
-    ProducerSideSettings,
-    Settings,
-    TopicSettings,
+from harness.load import produce, settings_for  # noqa: E402
+from harness.procstat import proc_cpu_s  # noqa: E402
+from harness.trainer import (  # noqa: E402
+    InputProbe,
+    Sink,
+    Trainer,
+    phase_report,
+    replay_client,
+    stage_split,
+    trainer_name,
+    warm_up,
 )
+from harness.trees import Variant, export_ref  # noqa: E402
+from harness.worker import WorkerProc, stop_process, worker_env  # noqa: E402
+from harness.worklog import worker_log_stats  # noqa: E402
+from peers.pipeline import peer_pipeline, produce_peer  # noqa: E402
+
+from trajbus.bus.settings import Settings  # noqa: E402
 
 TARGET_EVENTS_PER_S = 30_000
 TARGET_P99_MS = 100.0
 GOAL_P99_MS = 250.0  # issue 17's goal for the p99 at 2,000 events/s with exactly-once on
 TARGET_P99_RATE = 2_000
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def settings_for(bootstrap: str, prefix: str, partitions: int) -> Settings:
-    # queue_full_timeout_s: backpressure at the max rate, not QueueFullError on a loaded box
-    return Settings(kafka=KafkaSettings(bootstrap_servers=bootstrap),
-                    topics=TopicSettings(prefix=prefix, partitions=partitions),
-                    producer=ProducerSideSettings(queue_full_timeout_s=300.0))
-
-
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (and its reaped children), from /proc."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return sum(int(x) for x in fields[11:15]) / CLK_TCK
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
-    return s[k]
-
-
-def now_ms() -> float:
-    return time.time() * 1000.0
-
-
-# -- the producer subprocess -------------------------------------------------------------------
-async def produce(args: argparse.Namespace) -> dict[str, Any]:
-    """Emit ``--events`` events over ``--sandboxes`` emitters at ``--rate`` events/s (0 = as
-    fast as possible), episodes of ``--steps`` tool call/result pairs. Prints JSON."""
-    from trajbus.bus.producer import close_producer
-    from trajbus.producers.emitter import SandboxEmitter
-
-    settings = settings_for(args.bootstrap, args.prefix, args.partitions)
-    state = Path(tempfile.mkdtemp(prefix="bench-e2e-prod-"))
-    ems = [SandboxEmitter(f"{args.phase}-sb{i:04d}", args.task, settings=settings,
-                          state_dir=state / str(i), durability=args.durability)
-           for i in range(args.sandboxes)]
-    for em in ems:
-        await em.start()
-    # per sandbox: (current episode, steps done, episode counter)
-    cur: list[list[Any]] = [[None, 0, 0] for _ in ems]
-    args_obj = {"cmd": "pytest -x tests/test_parser.py", "cwd": "/work/repo", "timeout": 60}
-    result_obj = {"stdout": "3 passed in 0.41s", "rc": 0}
-    rate = args.rate
-    n = 0
-    cpu0 = time.process_time()
-    t_first = now_ms()
-    t0 = time.perf_counter()
-    i = 0
-    while n < args.events:
-        if rate > 0:  # paced: event n is due at t0 + n / rate
-            ahead = t0 + n / rate - time.perf_counter()
-            if ahead > 0.001:
-                await asyncio.sleep(ahead)
-        k = i % len(ems)
-        i += 1
-        em, st = ems[k], cur[k]
-        if st[0] is None:
-            st[0] = f"{args.phase}-ep{k}-{st[2]}"
-            st[1] = 0
-            st[2] += 1
-            await em.start_episode(st[0])
-        elif st[1] >= 2 * args.steps:
-            await em.end_episode(st[0])
-            st[0] = None
-        elif st[1] % 2 == 0:
-            await em.tool_call(st[0], "shell", args_obj, call_id=f"c{st[1]}")
-            st[1] += 1
-        else:
-            await em.tool_result(st[0], f"c{st[1] - 1}", "shell", result_obj, duration_ms=410)
-            st[1] += 1
-        n += 1
-    t_last_emit = now_ms()
-    for k, (em, st) in enumerate(zip(ems, cur, strict=True)):  # close open episodes
-        if st[0] is not None:
-            await em.end_episode(st[0])
-            n += 1
-            cur[k][0] = None
-    acked = all([await em.flush(120) for em in ems])
-    t_acked = now_ms()
-    cpu = time.process_time() - cpu0
-    for em in ems:
-        await em.close(30)
-    await close_producer()
-    shutil.rmtree(state, ignore_errors=True)
-    return {"events": n, "t_first_emit_ms": t_first, "t_last_emit_ms": t_last_emit,
-            "t_all_acked_ms": t_acked, "all_acked": acked, "cpu_s": round(cpu, 3),
-            "emit_events_per_s": round(n / max(1e-9, (t_last_emit - t_first) / 1000)),
-            "events_per_cpu_s": round(n / max(cpu, 1e-9))}
-
-
-# -- the trainer side ---------------------------------------------------------------------------
-@dataclass
-class Sink:
-    """Per-phase receipts of the trainer."""
-
-    latencies_ms: list[float] = field(default_factory=list)
-    # the same latency split at the replay record's timestamp (when the worker wrote it):
-    # emitter + input topic + worker until the send, then transaction commit + trainer fetch
-    to_worker_ms: list[float] = field(default_factory=list)
-    to_trainer_ms: list[float] = field(default_factory=list)
-    events: int = 0
-    segments: int = 0
-    first_ms: float = 0.0
-    last_ms: float = 0.0
-    episodes_done: int = 0
-    # per event, for the split by stage with --probe-input: (episode, seq, event time,
-    # replay record timestamp, receipt time)
-    receipts: list[tuple[str, int, float, float, float]] = field(default_factory=list)
-
-
-def replay_client(settings: Settings, task: str, group: str, max_in_flight: int,
-                  commit_every_ms: float) -> Any:
-    """A ReplayClient with the given commit policy: 0 = its default (every ack returns once
-    committed), N = commits in the background at most once per N ms (a crash re-delivers
-    at most the acknowledged-but-uncommitted tail, which the trainer's dedupe drops)."""
-    from trajbus.consumers.replay.client import ReplayClient
-
-    return ReplayClient([task], group, settings, max_in_flight=max_in_flight,
-                        commit_every_ms=commit_every_ms)
-
-
-def trainer_name(commit_every_ms: float) -> str:
-    return "stock" if commit_every_ms == 0 else f"commit{int(commit_every_ms)}ms"
-
-
-class InputProbe:
-    """``--probe-input``: a read_committed consumer of the input topic beside the worker, to
-    split the latency before the worker: event creation -> the Kafka record's create time
-    (the emitter: journal, fsync, its send loop) and create time -> fetched by a consumer
-    (the producer's linger and in-flight queue, the broker, the fetch). Each input record is
-    kept by (episode, seq), so :func:`stage_split` follows every event through each stage."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        # phase -> (episode, seq) -> (input record timestamp, fetched by the probe)
-        self.seen: dict[str, dict[tuple[str, int], tuple[float, float]]] = {}
-        self.task: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        from aiokafka import AIOKafkaConsumer, TopicPartition
-
-        from trajbus.bus.topics import Topics
-
-        topic = Topics(self.settings).sandbox_events
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.kafka.bootstrap_servers,
-                                    isolation_level="read_committed", enable_auto_commit=False)
-        await consumer.start()
-        tps = [TopicPartition(topic, p)
-               for p in range(self.settings.topics.partitions)]
-        consumer.assign(tps)
-        await consumer.seek_to_end(*tps)
-        self.task = asyncio.create_task(self._run(consumer))
-
-    async def _run(self, consumer: Any) -> None:
-        from trajbus.schemas.codec import default_codec
-
-        codec = default_codec()
-        try:
-            while True:
-                batch = await consumer.getmany(timeout_ms=200)
-                t = now_ms()
-                for msgs in batch.values():
-                    for m in msgs:
-                        if m.key == b"_tick":
-                            continue
-                        h = codec.decode(m.value).header
-                        ep = h.get("episode") or "-"
-                        self.seen.setdefault(ep.split("-", 1)[0], {})[(ep, h["seq"])] = (
-                            m.timestamp - h["event_time_ms"], t - m.timestamp)
-        finally:
-            await consumer.stop()
-
-    def report(self, phase: str) -> dict[str, Any]:
-        seen = self.seen.get(phase, {}).values()
-        a, b = [x for x, _ in seen], [y for _, y in seen]
-        return {"event_to_record_create": {"p50": round(percentile(a, 50), 1),
-                                           "p99": round(percentile(a, 99), 1)},
-                "record_create_to_fetched": {"p50": round(percentile(b, 50), 1),
-                                             "p99": round(percentile(b, 99), 1)}}
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
-
-
-STAGES = ("emitter", "input_to_replay_record", "replay_record_to_trainer")
-STAGE_NOTES = {
-    "emitter": "emit call -> input record's timestamp (journal write + group fsync, the "
-               "shared sender's round, the producer's append)",
-    "input_to_replay_record": "input record -> replay record's timestamp (producer linger "
-                              "and ack, worker fetch, its batch, the previous transaction)",
-    "replay_record_to_trainer": "replay record -> the trainer holds it (the transaction's "
-                                "commit and markers, read_committed fetch, the client)",
-    "input_fetchable": "(beside) input record -> fetched by a read_committed probe consumer",
-}
-
-
-def stage_split(sink: Sink, probe: InputProbe, phase: str) -> dict[str, Any]:
-    """Each event followed through the stages (joined by (episode, seq) with the probe's
-    input records): p50/p99 of every stage, and where the slowest 1 % of events (end to end
-    >= its p99) spent their time (mean ms per stage)."""
-    seen = probe.seen.get(phase, {})
-    rows: list[tuple[float, float, float, float, float]] = []
-    for ep, seq, t_event, t_replay, t_recv in sink.receipts:
-        got = seen.get((ep, seq))
-        if got is None:
-            continue
-        emit, fetchable = got
-        t_input = t_event + emit
-        rows.append((t_recv - t_event, emit, t_replay - t_input, t_recv - t_replay, fetchable))
-    if not rows:
-        return {}
-    cols = list(zip(*rows, strict=True))
-    names = ("end_to_end", *STAGES, "input_fetchable")
-    out: dict[str, Any] = {"events_joined": len(rows)}
-    for name, col in zip(names, cols, strict=True):
-        out[name] = {"p50": round(percentile(list(col), 50), 1),
-                     "p99": round(percentile(list(col), 99), 1)}
-    cut = percentile(list(cols[0]), 99)
-    tail = [r for r in rows if r[0] >= cut]
-    out["slowest_1pct_mean_ms"] = {
-        name: round(statistics.fmean(r[i] for r in tail), 1)
-        for i, name in enumerate(names) if name != "input_fetchable"}
-    return out
-
-
-class Trainer:
-    """A ReplayClient in a background task; each segment goes to the sink of its phase (the
-    episode id's prefix) and is acknowledged."""
-
-    def __init__(self, settings: Settings, task: str,
-                 commit_every_ms: float = 0, group_suffix: str = "") -> None:
-        group = f"{settings.topics.prefix}.trainer.{task}" + (
-            f".{group_suffix}" if group_suffix else "")
-        self.client = replay_client(settings, task, group, 100_000, commit_every_ms)
-        self.sinks: dict[str, Sink] = {}
-        self.task: asyncio.Task[None] | None = None
-        self.cpu0 = 0.0
-        self.keep_receipts = False  # set with --probe-input (the split by stage)
-
-    async def start(self) -> None:
-        await self.client.start()
-        self.task = asyncio.create_task(self._run())
-        consumer = self.client._consumer
-        assert consumer is not None
-        for _ in range(200):  # wait for the group join: no start-up delay in the latencies
-            if consumer.assignment():
-                break
-            await asyncio.sleep(0.05)
-
-    async def _run(self) -> None:
-        async for seg in self.client.segments():
-            t = now_ms()
-            phase = seg.episode.split("-", 1)[0]
-            sink = self.sinks.setdefault(phase, Sink())
-            if not sink.first_ms:
-                sink.first_ms = t
-            sink.last_ms = t
-            sink.segments += 1
-            sink.events += len(seg.events)
-            sink.latencies_ms.extend(t - ev.record["header"]["event_time_ms"]
-                                     for ev in seg.events)
-            if seg.timestamp_ms:
-                sink.to_worker_ms.extend(seg.timestamp_ms - ev.record["header"]["event_time_ms"]
-                                         for ev in seg.events)
-                sink.to_trainer_ms.extend([t - seg.timestamp_ms] * len(seg.events))
-                if self.keep_receipts:
-                    sink.receipts.extend(
-                        (seg.episode, ev.record["header"]["seq"],
-                         ev.record["header"]["event_time_ms"], seg.timestamp_ms, t)
-                        for ev in seg.events)
-            if seg.is_last:
-                sink.episodes_done += 1
-            await self.client.ack(seg)
-
-    async def wait_for(self, phase: str, events: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.sinks.get(phase, Sink()).events >= events:
-                return True
-            await asyncio.sleep(0.05)
-        return False
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
-        await self.client.stop()
-
-
-async def warm_up(settings: Settings, trainer: Trainer | dict[str, Trainer],
-                  task: str) -> None:
-    """One short episode through the whole path (topics, worker assignment, transactions)."""
-    from trajbus.producers.emitter import SandboxEmitter
-
-    state = Path(tempfile.mkdtemp(prefix="bench-e2e-warm-"))
-    ep = f"warm-{task}"
-    async with SandboxEmitter(f"warm-{task}-sb", task, settings=settings, state_dir=state,
-                              durability="os") as em:
-        await em.start_episode(ep)
-        await em.tool_call(ep, "shell", {"cmd": "true"})
-        await em.end_episode(ep)
-        await em.flush(60)
-    shutil.rmtree(state, ignore_errors=True)
-    for t in (trainer.values() if isinstance(trainer, dict) else [trainer]):
-        if not await t.wait_for("warm", 3, 120):
-            raise RuntimeError("warm-up episode did not reach the trainer in 120 s "
-                               "(is the worker running? see its log)")
 
 
 async def rate_phase(args: argparse.Namespace, settings: Settings,
@@ -425,7 +118,10 @@ async def rate_phase(args: argparse.Namespace, settings: Settings,
            str(settings.topics.partitions), "--task", task, "--phase", phase, "--rate",
            str(rate), "--events", str(events), "--sandboxes", str(args.sandboxes),
            "--steps", str(args.steps), "--durability", args.durability]
-    w_cpu0, t_cpu0 = proc_cpu_s(worker_pid), time.process_time()
+    def worker_cpu() -> float:
+        return proc_cpu_s(worker_pid, children=True) or 0.0
+
+    w_cpu0, t_cpu0 = worker_cpu(), time.process_time()
     proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE, cwd=cwd,
                                                 env=env)
@@ -437,7 +133,7 @@ async def rate_phase(args: argparse.Namespace, settings: Settings,
     group = trainers if isinstance(trainers, dict) else {"": trainers}
     oks = {name: await t.wait_for(phase, total, timeout=max(60.0, total / 2000))
            for name, t in group.items()}
-    w_cpu, t_cpu = proc_cpu_s(worker_pid) - w_cpu0, time.process_time() - t_cpu0
+    w_cpu, t_cpu = worker_cpu() - w_cpu0, time.process_time() - t_cpu0
     reports = {}
     for name, t in group.items():
         sink = t.sinks.get(phase, Sink())
@@ -447,39 +143,6 @@ async def rate_phase(args: argparse.Namespace, settings: Settings,
             rate, prod, oks[name], sink, ("worker", w_cpu), ("trainer", t_cpu),
             {"segments": sink.segments, **({"paired": True} if paired else {})})}
     return reports if paired else reports[""]
-
-
-def phase_report(rate: int | None, prod: dict[str, Any], complete: bool, sink: Sink,
-                 middle: tuple[str, float], end: tuple[str, float],
-                 extra: dict[str, Any]) -> dict[str, Any]:
-    """One phase's figures, the same shape for trajbus (worker -> trainer) and the peer
-    (loop -> consumer): throughput, latency and its split at the middle stage's output, CPU."""
-    (mid, mid_cpu), (last, last_cpu) = middle, end
-    total = prod["events"]
-    span_s = max(1e-9, (sink.last_ms - prod["t_first_emit_ms"]) / 1000)
-    lat = sink.latencies_ms
-
-    def p50_p99(xs: list[float]) -> dict[str, float]:
-        return {q: round(percentile(xs, v), 1) for q, v in (("p50", 50), ("p99", 99))}
-
-    return {
-        "offered_events_per_s": rate or "max",
-        "events_emitted": total, "events_delivered": sink.events, "complete": complete,
-        **extra,
-        "emit_events_per_s": prod["emit_events_per_s"],
-        "end_to_end_events_per_s": round(sink.events / span_s),
-        "latency_ms": {"p50": round(percentile(lat, 50), 1), "p90": round(percentile(lat, 90), 1),
-                       "p99": round(percentile(lat, 99), 1), "max": round(max(lat, default=0), 1),
-                       "mean": round(statistics.fmean(lat), 1) if lat else None},
-        "latency_split_ms": {
-            f"event_to_{mid}_output": p50_p99(sink.to_worker_ms),
-            f"{mid}_output_to_{last}": p50_p99(sink.to_trainer_ms),
-        },
-        "cpu_s": {"producer": prod["cpu_s"], mid: round(mid_cpu, 2), last: round(last_cpu, 2)},
-        "events_per_cpu_s": {"producer": prod["events_per_cpu_s"],
-                             mid: round(total / mid_cpu) if mid_cpu else None,
-                             last: round(total / last_cpu) if last_cpu else None},
-    }
 
 
 async def overlap_phase(args: argparse.Namespace, settings: Settings, mode: str,
@@ -561,250 +224,7 @@ async def overlap_phase(args: argparse.Namespace, settings: Settings, mode: str,
             "training_s_per_episode": round(train_per_event_s * (2 * steps + 2), 3)}
 
 
-# -- the minimal peer pipeline (issue 17, item 4) ------------------------------------------------
-# confluent-kafka idempotent producer -> broker -> minimal consume/reorder/produce loop with
-# ~100 ms transactions and a changelog (bench_worker.py's confluent-txn loop) -> read_committed
-# confluent-kafka consumer; same broker, same event shapes and offered rates as trajbus above.
-def _bench_worker() -> Any:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import bench_worker
-
-    return bench_worker
-
-
-def produce_peer(args: argparse.Namespace) -> dict[str, Any]:
-    """``--produce-peer``: the peer's sending side. One confluent-kafka idempotent producer
-    (acks=all, the worker's compression, linger 5 ms); the same events as :func:`produce`
-    (same shapes, sandboxes, steps and pacing), encoded with the trajbus codec and stamped with
-    their creation time; no journal, redaction or per-event acknowledgement. Prints JSON."""
-    import hashlib
-
-    from confluent_kafka import Producer
-
-    from trajbus.bus.settings import KafkaSettings
-    from trajbus.schemas.codec import default_codec
-
-    encode = default_codec().encode
-    t_start, t_call, t_res, t_end = _bench_worker().event_templates()
-    p = Producer({"bootstrap.servers": args.bootstrap, "enable.idempotence": True, "acks": "all",
-                  "compression.type": KafkaSettings().compression_type or "none",
-                  "linger.ms": 5, "partitioner": "murmur2_random",
-                  "queue.buffering.max.messages": 1_000_000})
-    canon_args = json.dumps({"cmd": "pytest -x tests/test_parser.py", "cwd": "/work/repo",
-                             "timeout": 60}, sort_keys=True, separators=(",", ":"))
-    canon_res = json.dumps({"stdout": "3 passed in 0.41s", "rc": 0}, sort_keys=True,
-                           separators=(",", ":"))
-    call_fields = {"tool": "shell", "args_canonical": canon_args, "args_summary": canon_args[:40],
-                   "args_hash": hashlib.sha256(canon_args.encode()).hexdigest()}
-    res_fields = {"tool": "shell", "result_canonical": canon_res, "duration_ms": 410,
-                  "result_summary": canon_res[:40],
-                  "result_hash": hashlib.sha256(canon_res.encode()).hexdigest()}
-    sandboxes = [f"{args.phase}-sb{i:04d}" for i in range(args.sandboxes)]
-    cur: list[list[Any]] = [[None, 0, 0] for _ in sandboxes]  # episode, steps done, counter
-    topic, task = args.peer_topic, args.task
-
-    def send(k: int, template: dict[str, Any], kind: str, seq: int, **extra: Any) -> None:
-        sb, ep = sandboxes[k], cur[k][0]
-        rec = dict(template)
-        rec["header"] = {"event_id": f"{sb}-{ep}-{seq}", "task": task, "sandbox": sb,
-                         "episode": ep, "seq": seq, "event_time_ms": int(now_ms()),
-                         "producer_id": f"peer/{sb}", "policy_version": None}
-        rec.update(extra)
-        while True:
-            try:
-                p.produce(topic, encode(kind, rec), key=sb.encode())
-                break
-            except BufferError:
-                p.poll(0.01)
-        p.poll(0)
-
-    # connection, metadata and the idempotent producer id before the clock starts (as the
-    # emitters' start()): one record with the tick key, which the loop skips
-    p.produce(topic, b"", key=b"_tick", partition=0)
-    if p.flush(60):
-        raise RuntimeError("peer producer: warm-up record not acknowledged in 60 s")
-    rate, n, i = args.rate, 0, 0
-    cpu0 = time.process_time()
-    t_first = now_ms()
-    t0 = time.perf_counter()
-    while n < args.events:
-        if rate > 0:  # paced: event n is due at t0 + n / rate
-            ahead = t0 + n / rate - time.perf_counter()
-            if ahead > 0.001:
-                time.sleep(ahead)
-        k = i % len(sandboxes)
-        i += 1
-        st = cur[k]
-        if st[0] is None:
-            st[0], st[1] = f"{args.phase}-ep{k}-{st[2]}", 0
-            st[2] += 1
-            send(k, t_start, "EpisodeStart", 0)
-        elif st[1] >= 2 * args.steps:
-            send(k, t_end, "EpisodeEnd", st[1] + 1)
-            st[0] = None
-        elif st[1] % 2 == 0:
-            send(k, t_call, "ToolCall", st[1] + 1, call_id=f"c{st[1]}", **call_fields)
-            st[1] += 1
-        else:
-            send(k, t_res, "ToolResult", st[1] + 1, call_id=f"c{st[1] - 1}", **res_fields)
-            st[1] += 1
-        n += 1
-    t_last_emit = now_ms()
-    for k, st in enumerate(cur):  # close open episodes
-        if st[0] is not None:
-            send(k, t_end, "EpisodeEnd", st[1] + 1)
-            st[0] = None
-            n += 1
-    acked = p.flush(120) == 0
-    cpu = time.process_time() - cpu0
-    return {"events": n, "t_first_emit_ms": t_first, "t_last_emit_ms": t_last_emit,
-            "t_all_acked_ms": now_ms(), "all_acked": acked, "cpu_s": round(cpu, 3),
-            "emit_events_per_s": round(n / max(1e-9, (t_last_emit - t_first) / 1000)),
-            "events_per_cpu_s": round(n / max(cpu, 1e-9))}
-
-
-class PeerConsumer:
-    """The peer's trainer side: a read_committed confluent-kafka consumer in a thread; offsets
-    committed (asynchronously) at most every 100 ms. Records each event's latency (receipt -
-    event_time_ms) and its split at the output record's timestamp (the loop's produce)."""
-
-    def __init__(self, bootstrap: str, topic: str, group: str) -> None:
-        import threading
-
-        self.bootstrap, self.topic, self.group = bootstrap, topic, group
-        self.sinks: dict[str, Sink] = {}
-        self.seen: dict[str, set[tuple[str, int]]] = {}
-        self.duplicates: dict[str, int] = {}
-        self.assigned = threading.Event()
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="peer-consumer", daemon=True)
-
-    async def start(self) -> None:
-        self.thread.start()
-        for _ in range(600):
-            if self.assigned.is_set():
-                return
-            await asyncio.sleep(0.05)
-        raise RuntimeError("peer consumer: no partitions assigned in 30 s")
-
-    def _run(self) -> None:
-        from confluent_kafka import Consumer
-
-        from trajbus.schemas.codec import default_codec
-
-        decode = default_codec().decode
-        c = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.group,
-                      "isolation.level": "read_committed", "auto.offset.reset": "earliest",
-                      "enable.auto.commit": False})
-        c.subscribe([self.topic], on_assign=lambda _c, _parts: self.assigned.set())
-        last_commit = 0.0
-        try:
-            while not self.stopping.is_set():
-                msgs = c.consume(1000, 0.05)
-                t = now_ms()
-                for msg in msgs:
-                    if msg.error() is not None:
-                        continue
-                    h = decode(msg.value() or b"").header
-                    phase = h["episode"].split("-", 1)[0]
-                    sink = self.sinks.setdefault(phase, Sink())
-                    seen = self.seen.setdefault(phase, set())
-                    key = (h["episode"], h["seq"])
-                    if key in seen:
-                        self.duplicates[phase] = self.duplicates.get(phase, 0) + 1
-                        continue
-                    seen.add(key)
-                    if not sink.first_ms:
-                        sink.first_ms = t
-                    sink.last_ms = t
-                    sink.events += 1
-                    sink.latencies_ms.append(t - h["event_time_ms"])
-                    ts = msg.timestamp()[1]
-                    sink.to_worker_ms.append(ts - h["event_time_ms"])
-                    sink.to_trainer_ms.append(t - ts)
-                if msgs and time.monotonic() - last_commit >= 0.1:
-                    c.commit(asynchronous=True)
-                    last_commit = time.monotonic()
-        finally:
-            c.close()
-
-    async def wait_for(self, phase: str, events: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.sinks.get(phase, Sink()).events >= events:
-                return True
-            await asyncio.sleep(0.05)
-        return False
-
-    async def stop(self) -> None:
-        self.stopping.set()
-        await asyncio.to_thread(self.thread.join, 30)
-
-
-async def peer_phase(args: argparse.Namespace, topic: str, consumer: PeerConsumer,
-                     loop_pid: int, rate: int, events: int, phase: str) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--produce-peer", "--bootstrap",
-           args.bootstrap, "--peer-topic", topic, "--task", "bench-peer", "--phase", phase,
-           "--rate", str(rate), "--events", str(events), "--sandboxes", str(args.sandboxes),
-           "--steps", str(args.steps)]
-    l_cpu0, c_cpu0 = proc_cpu_s(loop_pid), time.process_time()
-    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE, cwd=ROOT)
-    out, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(f"peer producer failed ({proc.returncode}): {err.decode()[-2000:]}")
-    prod = json.loads(out.decode().strip().splitlines()[-1])
-    total = prod["events"]
-    ok = await consumer.wait_for(phase, total, timeout=max(60.0, total / 2000))
-    l_cpu, c_cpu = proc_cpu_s(loop_pid) - l_cpu0, time.process_time() - c_cpu0
-    sink = consumer.sinks.get(phase, Sink())
-    return phase_report(rate, prod, ok, sink, ("loop", l_cpu), ("consumer", c_cpu),
-                        {"duplicates": consumer.duplicates.get(phase, 0)})
-
-
-async def peer_pipeline(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
-    """The minimal peer pipeline at the same offered rates as trajbus (see the comment above)."""
-    from trajbus.bus.settings import KafkaSettings
-
-    bw = _bench_worker()
-    name = f"{prefix}-peer"
-    in_topic, out_topic, state_topic = f"{name}.in", f"{name}.out", f"{name}.state"
-    bw.create_topics(args.bootstrap, [in_topic, out_topic], args.partitions)
-    bw.create_topics(args.bootstrap, [state_topic], args.partitions, compacted=True)
-    work = Path(tempfile.mkdtemp(prefix="bench-e2e-peer-"))
-    bw.write_schemas(work / "schemas.json")
-    log = open(work / "loop.log", "ab")
-    loop = subprocess.Popen([
-        sys.executable, str(Path(bw.__file__).resolve()), "--peer", "confluent-txn",
-        "--bootstrap", args.bootstrap, "--group", f"{name}.loop", "--in-topics", in_topic,
-        "--out-topic", out_topic, "--state-topic", state_topic,
-        "--schemas", str(work / "schemas.json"),
-        "--compression", KafkaSettings().compression_type or "none", "--idle", "1e9",
-        "--txn-interval-ms", str(args.peer_txn_interval_ms)], stdout=log, stderr=log, cwd=ROOT)
-    consumer = PeerConsumer(args.bootstrap, out_topic, f"{name}.consumer")
-    phases: list[dict[str, Any]] = []
-    try:
-        await consumer.start()
-        warm = await peer_phase(args, in_topic, consumer, loop.pid, 0, 20, "peerwarm")
-        if not warm["complete"]:
-            raise RuntimeError(f"peer warm-up did not arrive; loop log {work / 'loop.log'}")
-        for rate in args.rates:
-            events = args.events if rate == 0 else min(args.events, int(rate * args.seconds))
-            print(f"[e2e] minimal peer pipeline: offered {rate or 'max'} events/s, {events} "
-                  "events", flush=True)
-            phases.append(await peer_phase(args, in_topic, consumer, loop.pid, rate, events,
-                                           f"peer{rate or 'max'}"))
-            if loop.poll() is not None:
-                raise RuntimeError(f"peer loop exited {loop.returncode}; log {work}/loop.log")
-    finally:
-        await consumer.stop()
-        stop_worker(loop)
-        log.close()
-    return {"pipeline": "confluent-kafka idempotent producer -> broker -> minimal reorder loop "
-                        f"(bench_worker.py confluent-txn: transactions every "
-                        f"{args.peer_txn_interval_ms:g} ms with a changelog) -> read_committed "
-                        "confluent-kafka consumer (commits every 100 ms)",
-            "phases": phases, "loop_log": str(work / "loop.log")}
+# -- the minimal peer pipeline (peers/pipeline.py) -----------------------------------------------
 
 
 def peer_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -848,97 +268,6 @@ def peer_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # -- the worker -------------------------------------------------------------------------------
-@dataclass
-class Variant:
-    """``--variant LABEL=REF[;ENV=VALUE...]``: the worker and the emitters' process run the
-    code of git REF ('.' = this tree) with these extra environment variables (settings such
-    as ``TRAJBUS_PRODUCER__SEND_ROUND_MS``). The trainer side is this process's code."""
-
-    label: str
-    ref: str = "."
-    env: dict[str, str] = field(default_factory=dict)
-    tree: Path | None = None  # the exported ref (bench_worker.export_ref), None for '.'
-
-    @classmethod
-    def parse(cls, spec: str) -> Variant:
-        """REF may also be a directory laid out as the installed package (as export_ref
-        makes it: <dir>/trajbus/bus, ...), used as it is."""
-        label, _, rest = spec.partition("=")
-        ref, *envs = (rest or ".").split(";")
-        if not label or not ref or any("=" not in e for e in envs if e):
-            raise SystemExit(f"--variant {spec!r}: expected LABEL=REF[;ENV=VALUE...]")
-        tree = Path(ref) if ref != "." and (Path(ref) / "trajbus").is_dir() else None
-        return cls(label, ref, dict(e.split("=", 1) for e in envs if e), tree)
-
-    def process_env(self) -> tuple[dict[str, str], Path]:
-        """Environment and working directory of a subprocess running this variant."""
-        env = {**os.environ, **self.env}
-        if self.tree is None:
-            return env, ROOT
-        env["PYTHONPATH"] = os.pathsep.join([str(self.tree)] + (
-            [self.env["PYTHONPATH"]] if "PYTHONPATH" in self.env else []))
-        env["BENCH_E2E_TREE"] = "1"
-        return env, self.tree
-
-
-def start_worker(settings: Settings, log_path: Path,
-                 code: Variant | None = None) -> subprocess.Popen[bytes]:
-    env, cwd = (code or Variant("head")).process_env()
-    env.update({
-        "TRAJBUS_KAFKA__BOOTSTRAP_SERVERS": settings.kafka.bootstrap_servers,
-        "TRAJBUS_TOPICS__PREFIX": settings.topics.prefix,
-        "TRAJBUS_TOPICS__PARTITIONS": str(settings.topics.partitions),
-    })
-    out = open(log_path, "ab")
-    return subprocess.Popen([sys.executable, "-m", "trajbus", "worker", "--processors",
-                             "reorder", "--worker-id", "bench", "-v"], env=env, stdout=out,
-                            stderr=out, cwd=cwd)
-
-
-def worker_log_stats(log_path: Path) -> dict[str, Any]:
-    """The worker's own per-10 s lines (runner._log_stats): per batch polling / processing /
-    transaction ms, and the input's age when the worker's poll returned it."""
-    import re
-
-    pat = re.compile(r"(\d+) batches, ([\d.]+) records/batch.*?per batch ([\d.]+) ms polling, "
-                     r"([\d.]+) ms processing, (?:([\d.]+) ms waiting for the previous "
-                     r"transaction, )?([\d.]+) ms transaction(?: \(max ([\d.]+) ms\))?; input "
-                     r"age at poll mean (\d+) ms(?:, p99 (\d+) ms)?, max (\d+) ms")
-    text = log_path.read_text(errors="replace")
-    rows = [m.groups() for m in pat.finditer(text)]
-    rows = [r for r in rows if int(r[0]) >= 50]  # windows with traffic
-    if not rows:
-        return {}
-
-    def col(i: int) -> list[float]:
-        return [float(r[i]) for r in rows if r[i] is not None]
-
-    out: dict[str, Any] = {"windows": len(rows),
-                           "records_per_batch": round(statistics.fmean(col(1)), 1),
-                           "processing_ms_mean": round(statistics.fmean(col(3)), 1),
-                           "txn_ms_mean": round(statistics.fmean(col(5)), 1),
-                           "input_age_at_poll_ms_mean": round(statistics.fmean(col(7)), 1),
-                           "input_age_at_poll_ms_max": max(col(9))}
-    if col(4):
-        out["wait_previous_txn_ms_mean"] = round(statistics.fmean(col(4)), 1)
-    if col(6):
-        out["txn_ms_max"] = max(col(6))
-    if col(8):
-        out["input_age_at_poll_ms_p99_per_window"] = col(8)
-    diag = [ln for ln in text.splitlines() if ln.startswith("DIAG ")]
-    if diag:
-        out["diag"] = diag
-    return out
-
-
-def stop_worker(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 async def trajbus_run(args: argparse.Namespace, code: Variant, rnd: int
@@ -955,7 +284,9 @@ async def trajbus_run(args: argparse.Namespace, code: Variant, rnd: int
     await ensure_base_topics(settings, [*tasks, *(f"bench-{m}-c{int(c)}" for c in variants
                                                    for m in ("segmented", "whole"))])
     log_path = Path(tempfile.mkdtemp(prefix="bench-e2e-")) / "worker.log"
-    worker = start_worker(settings, log_path, code)
+    env, cwd = code.process_env()
+    worker = WorkerProc(worker_env(args.bootstrap, prefix, args.partitions, base=env),
+                        log_path.parent, cwd=cwd, log=log_path).start()
     res: dict[str, Any] = {"variant": code.label, "round": rnd, "ref": code.ref,
                            "env": code.env, "load_average_1m_at_start":
                            round(os.getloadavg()[0], 2), "trainers": {},
@@ -1007,7 +338,7 @@ async def trajbus_run(args: argparse.Namespace, code: Variant, rnd: int
                 "synchronous on-policy loop; gain = segmented / whole episodes per second - 1; "
                 "the platform reported ~30%")
     finally:
-        stop_worker(worker)
+        stop_process(worker)
         await close_producer()
     res["worker_log"] = str(log_path)
     res["worker_stats"] = worker_log_stats(log_path)
@@ -1083,7 +414,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     for code in codes:
         if code.ref != "." and code.tree is None:
             if code.ref not in trees:
-                trees[code.ref] = _bench_worker().export_ref(code.ref)
+                trees[code.ref] = export_ref(code.ref)
             code.tree = trees[code.ref]
     res: dict[str, Any] = {"name": "e2e", "partitions": args.partitions,
                            "sandboxes": args.sandboxes, "durability": args.durability,

@@ -211,6 +211,33 @@ def run_child(a: argparse.Namespace, bootstrap: str, tree: Path | None,
     return res
 
 
+def run_rounds(a: argparse.Namespace, bootstrap: str,
+               variants: list[tuple[str, Path | None, str]],
+               runs: dict[str, list[dict[str, Any]]]) -> None:
+    """Every variant once per round (every other round in reverse order), each a child
+    process; its figures appended to ``runs`` and printed."""
+    for r in range(a.rounds):
+        order = variants if r % 2 == 0 else variants[::-1]
+        for name, tree, mode in order:
+            res = run_child(a, bootstrap, tree, mode)
+            res["round"] = r + 1
+            runs[name].append(res)
+            if "error" in res:
+                print(f"[{name}] round {r + 1}: {res['error']}\n{res['stderr']}",
+                      flush=True)
+                continue
+            print(f"[{name}] round {r + 1}: {res['emitters']} emitters at "
+                  f"{res['rate_per_emitter']:g}/s: {res['core_share']:.3f} of a core "
+                  f"(user {res['user_share']:.3f}, sys {res['sys_share']:.3f}), "
+                  f"{res['events_per_cpu_s'] or 0:,} events/CPU-s, "
+                  f"{res['us_cpu_per_event']} us "
+                  f"CPU/event, emit p50/p99 {res['emit_latency_ms']['p50']}/"
+                  f"{res['emit_latency_ms']['p99']} ms, journal "
+                  f"{res['journal_bytes_per_emitter']['mean']:,} B/emitter (max "
+                  f"{res['journal_bytes_per_emitter']['max']:,}), unacked at end "
+                  f"{res['unacked_at_end']}, load {res['load_average_1m']}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bootstrap", help="use this broker (default: start a local one)")
@@ -256,14 +283,12 @@ def main() -> int:
         a.json.write_text(json.dumps(res))
         return 0
 
-    # bench_worker puts the repository first on sys.path: import it here, not in the child,
-    # whose imports must come from the tree on its PYTHONPATH
-    from bench_worker import export_ref
+    # the repository first on sys.path here, not in the child, whose imports must come from
+    # the tree on its PYTHONPATH
+    from harness.broker import broker_for
+    from harness.trees import export_ref
 
     sys.path.insert(0, str(ROOT))
-    broker = None
-    broker_dir: Path | None = None
-    bootstrap = a.bootstrap
     trees = {ref: export_ref(ref) for ref in a.trajbus_ref}
     variants: list[tuple[str, Path | None, str]] = []
     if not a.no_working_tree:
@@ -276,39 +301,9 @@ def main() -> int:
         variants.append(("no-op callers (baseline)", first, "noop"))
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
     try:
-        if bootstrap is None:
-            from trajbus.infra.broker import LocalBroker, free_port
-
-            broker_dir = Path(tempfile.mkdtemp(prefix="bench-many-emitters-kafka-"))
-            broker = LocalBroker(data_dir=broker_dir, port=free_port(),
-                                 controller_port=free_port())
-            broker.start(timeout=120)
-            bootstrap = broker.bootstrap
-        for r in range(a.rounds):
-            order = variants if r % 2 == 0 else variants[::-1]
-            for name, tree, mode in order:
-                res = run_child(a, bootstrap, tree, mode)
-                res["round"] = r + 1
-                runs[name].append(res)
-                if "error" in res:
-                    print(f"[{name}] round {r + 1}: {res['error']}\n{res['stderr']}",
-                          flush=True)
-                    continue
-                print(f"[{name}] round {r + 1}: {res['emitters']} emitters at "
-                      f"{res['rate_per_emitter']:g}/s: {res['core_share']:.3f} of a core "
-                      f"(user {res['user_share']:.3f}, sys {res['sys_share']:.3f}), "
-                      f"{res['events_per_cpu_s'] or 0:,} events/CPU-s, "
-                      f"{res['us_cpu_per_event']} us "
-                      f"CPU/event, emit p50/p99 {res['emit_latency_ms']['p50']}/"
-                      f"{res['emit_latency_ms']['p99']} ms, journal "
-                      f"{res['journal_bytes_per_emitter']['mean']:,} B/emitter (max "
-                      f"{res['journal_bytes_per_emitter']['max']:,}), unacked at end "
-                      f"{res['unacked_at_end']}, load {res['load_average_1m']}", flush=True)
+        with broker_for(a.bootstrap, "bench-many-emitters") as bootstrap:
+            run_rounds(a, bootstrap, variants, runs)
     finally:
-        if broker is not None:
-            broker.stop(timeout=30)
-        if broker_dir is not None:
-            shutil.rmtree(broker_dir, ignore_errors=True)
         for tree in trees.values():
             shutil.rmtree(tree.parent, ignore_errors=True)
     ok = {n: [r for r in rs if "error" not in r] for n, rs in runs.items()}

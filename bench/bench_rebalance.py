@@ -53,7 +53,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -66,16 +65,18 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_recovery import Fleet, GroupWatch, end_offsets, log_time  # noqa: E402
-from bench_worker import export_ref  # noqa: E402
+from harness.broker import broker_for  # noqa: E402
+from harness.figures import pct  # noqa: E402
+from harness.groups import GroupWatch  # noqa: E402
+from harness.kafka import Fleet, end_offsets  # noqa: E402
+from harness.trees import export_ref, parse_variant  # noqa: E402
+from harness.worker import WorkerProc, worker_env  # noqa: E402
+from harness.worklog import RESTORED_RE, log_time  # noqa: E402
 
 TASK = "rebalance"
 GOAL_RATIO = 2.0
 CHUNK_S = 0.02
-_RESTORED_RE = re.compile(r"restored (\d+) state records for partitions \[([^\]]*)\] in "
-                          r"([\d.]+)s")
 _KEPT_RE = re.compile(r"kept the state of partitions \[([^\]]*)\]")
 _ASSIGNED_RE = re.compile(r"Setting newly assigned partitions (.*) for group")
 _TP_RE = re.compile(r"TopicPartition\(topic='([^']+)', partition=(\d+)\)")
@@ -222,49 +223,7 @@ class ReplayLatency(threading.Thread):
             self.c.close()
 
 
-# -- the workers ----------------------------------------------------------------------------------
-class WorkerProc:
-    """``python -m trajbus worker --processors reorder --worker-id ID -v`` of one variant."""
-
-    def __init__(self, worker_id: str, env: dict[str, str], cwd: Path, log: Path) -> None:
-        self.worker_id, self.env, self.cwd, self.log = worker_id, env, cwd, log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> WorkerProc:
-        cmd = [sys.executable, "-m", "trajbus", "worker", "--processors", "reorder",
-               "--worker-id", self.worker_id, "-v"]
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, env=self.env, cwd=self.cwd, stdout=out, stderr=out)
-        return self
-
-    def stop(self, timeout: float = 30) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(timeout=10)
-
-
-def parse_variant(spec: str) -> tuple[str, str, dict[str, str]]:
-    """``LABEL=REF[;ENV=VALUE...]`` -> (label, ref, env)."""
-    label, _, rest = spec.partition("=")
-    ref, *envs = (rest or ".").split(";")
-    env = dict(e.split("=", 1) for e in envs if e)
-    if not label or not ref:
-        raise SystemExit(f"--variant {spec!r}: expected LABEL=REF[;ENV=VALUE...]")
-    return label, ref, env
-
-
 # -- analysis -----------------------------------------------------------------------------------
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def latency(samples: list[tuple[float, float, float, int]], parts: set[int], t0: float,
@@ -303,11 +262,11 @@ def log_marks(path: Path, t0: float, t1: float) -> dict[str, Any]:
         for name, needle in _MARKS:
             if name not in marks and needle in line:
                 marks[name] = round(t - t0, 3)
-        if _KEPT_RE.search(line) or _RESTORED_RE.search(line):
+        if _KEPT_RE.search(line) or RESTORED_RE.search(line):
             lines.append(f"+{t - t0:.2f}s " + line.split(" INFO ", 1)[-1].strip())
     return {"after_s": marks, "state_lines": lines,
             "restored_records": sum(int(m.group(1)) for line in lines
-                                    if (m := _RESTORED_RE.search(line)))}
+                                    if (m := RESTORED_RE.search(line)))}
 
 
 def assignments(path: Path, topic: str) -> list[tuple[float, set[int]]]:
@@ -335,21 +294,18 @@ def one_run(a: argparse.Namespace, bootstrap: str, label: str, ref: str, extra: 
     topics = Topics(settings)
     asyncio.run(ensure_base_topics(settings, [TASK]))
     compression = KafkaSettings().compression_type or "none"
-    env = dict(os.environ)
-    env.update({"TRAJBUS_KAFKA__BOOTSTRAP_SERVERS": bootstrap, "TRAJBUS_TOPICS__PREFIX": prefix,
-                "TRAJBUS_TOPICS__PARTITIONS": str(a.partitions),
-                "TRAJBUS_STATE_DIR": str(work / f"state-{prefix}"),
-                # every client line: the log's rebalance marks include a repeated warning
-                # ("Heartbeat failed ... because it is rebalancing"), which the worker's
-                # client-log limiter otherwise passes once per 30 s
-                "TRAJBUS_DEBUG": "1"})
+    # TRAJBUS_DEBUG, every client line: the log's rebalance marks include a repeated warning
+    # ("Heartbeat failed ... because it is rebalancing"), which the worker's client-log
+    # limiter otherwise passes once per 30 s
+    env = worker_env(bootstrap, prefix, a.partitions,
+                     TRAJBUS_STATE_DIR=str(work / f"state-{prefix}"), TRAJBUS_DEBUG="1")
     if tree is not None:  # the exported ref's package comes first on the path
         env["PYTHONPATH"] = str(tree)
     env.update(extra)
     cwd = tree or ROOT
     logs = {w: work / f"{label}-r{rnd}-{w}.log" for w in ("w1", "w2")}
-    w1 = WorkerProc("w1", env, cwd, logs["w1"])
-    w2 = WorkerProc("w2", env, cwd, logs["w2"])
+    w1 = WorkerProc(env, work, "w1", cwd, logs["w1"])
+    w2 = WorkerProc(env, work, "w2", cwd, logs["w2"])
     eps, records = open_state(a.episodes, a.sandboxes, a.partitions, a.seed + rnd)
     part_of = {e.sandbox: e.partition for e in eps}
     fleet = Fleet(bootstrap, topics.sandbox_events, compression)
@@ -556,34 +512,21 @@ def main(argv: list[str] | None = None) -> int:
     trees = {ref: (None if ref == "." else export_ref(ref)) for _, ref, _ in variants}
     load_start = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    broker = None
-    broker_dir: Path | None = None
-    bootstrap = a.bootstrap
     runs: list[dict[str, Any]] = []
     try:
-        if bootstrap is None:
-            from trajbus.infra.broker import LocalBroker, free_port
-
-            broker_dir = Path(tempfile.mkdtemp(prefix="bench-rebalance-kafka-"))
-            broker = LocalBroker(data_dir=broker_dir, port=free_port(),
-                                 controller_port=free_port())
-            broker.start(timeout=120)
-            bootstrap = broker.bootstrap
-        for rnd in range(1, a.rounds + 1):
-            for label, ref, extra in variants:
-                try:
-                    r = one_run(a, bootstrap, label, ref, extra, trees[ref], rnd, work)
-                except Exception as exc:  # reported; the other runs go on
-                    r = {"variant": label, "round": rnd, "error": f"{type(exc).__name__}: {exc}"}
-                    print(f"[rebalance] {label} round {rnd}: {r['error']}", flush=True)
-                else:
-                    print(run_line(r), flush=True)
-                runs.append(r)
+        with broker_for(a.bootstrap, "bench-rebalance") as bootstrap:
+            for rnd in range(1, a.rounds + 1):
+                for label, ref, extra in variants:
+                    try:
+                        r = one_run(a, bootstrap, label, ref, extra, trees[ref], rnd, work)
+                    except Exception as exc:  # reported; the other runs go on
+                        r = {"variant": label, "round": rnd,
+                             "error": f"{type(exc).__name__}: {exc}"}
+                        print(f"[rebalance] {label} round {rnd}: {r['error']}", flush=True)
+                    else:
+                        print(run_line(r), flush=True)
+                    runs.append(r)
     finally:
-        if broker is not None:
-            broker.stop(timeout=30)
-        if broker_dir is not None:
-            shutil.rmtree(broker_dir, ignore_errors=True)
         for tree in trees.values():
             if tree is not None:
                 shutil.rmtree(tree.parent, ignore_errors=True)

@@ -50,143 +50,29 @@ import gc
 import json
 import os
 import random
-import re
-import shutil
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # the harness, also when a test loads this file
 
-GROUP_SUFFIX = ".reorder"
-WORKER_ID = "bench"
+from harness.broker import broker_for  # noqa: E402
+from harness.events import probe_records  # noqa: E402
+from harness.figures import stats  # noqa: E402
+from harness.groups import GroupWatch, ReplayWatch  # noqa: E402
+from harness.kafka import Fleet, end_offsets  # noqa: E402
+from harness.procstat import rss_mb  # noqa: E402
+from harness.restart import GROUP_SUFFIX  # noqa: E402
+from harness.worker import WorkerProc, import_time, worker_env  # noqa: E402
+from harness.worklog import parse_log  # noqa: E402
+
 TARGET_KILL_TO_SERVING_S = 5.0
 TARGET_RSS_RATIO = 1.2
-_RESTORED_RE = re.compile(r"restored (\d+) state records for partitions \[([^\]]*)\] in "
-                          r"([\d.]+)s")
-_LOG_TIME_RE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
-# worker log milestones: (name, text of the first line that marks it)
-_MILESTONES = (("subscribed", "Subscribed to topic(s)"),
-               ("joined_group", "Joined group"),
-               ("assigned", "Setting newly assigned partitions"),
-               ("restored", "state records for partitions"))
-
-
-# -- measuring ---------------------------------------------------------------------------------
-def rss_mb(pid: int) -> dict[str, float] | None:
-    """VmRSS and VmHWM (peak) of a live process in MB, from /proc/<pid>/status."""
-    out: dict[str, float] = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                key, val = line.split(":", 1)
-                out[key] = int(val.split()[0]) / 1024
-    except OSError:
-        return None
-    return {"rss_mb": round(out.get("VmRSS", 0.0), 1),
-            "peak_rss_mb": round(out.get("VmHWM", 0.0), 1)}
-
-
-def stats(values: list[float], digits: int = 2) -> dict[str, float | None]:
-    if not values:
-        return {"min": None, "median": None, "max": None}
-    return {"min": round(min(values), digits), "median": round(statistics.median(values), digits),
-            "max": round(max(values), digits)}
-
-
-def log_time(line: str) -> float | None:
-    """Epoch seconds of a worker log line (logging's asctime: local time, milliseconds)."""
-    m = _LOG_TIME_RE.match(line)
-    if m is None:
-        return None
-    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-
-
-def parse_log(path: Path, t0_wall: float) -> dict[str, Any]:
-    """The restore line(s) and the start-up milestones of one worker incarnation, the times in
-    seconds after ``t0_wall`` (the SIGKILL of its predecessor, or its own spawn)."""
-    text = path.read_text(errors="replace") if path.exists() else ""
-    res: dict[str, Any] = {"restore_lines": [], "restored_records": 0, "restore_s": 0.0}
-    marks: dict[str, float] = {}
-    first: float | None = None
-    for line in text.splitlines():
-        t = log_time(line)
-        if t is None:
-            continue
-        if first is None:
-            first = t
-        for name, needle in _MILESTONES:
-            if name not in marks and needle in line:
-                marks[name] = t
-        m = _RESTORED_RE.search(line)
-        if m is not None:
-            res["restore_lines"].append(line.split(" INFO ", 1)[-1].strip())
-            res["restored_records"] += int(m.group(1))
-            res["restore_s"] = round(res["restore_s"] + float(m.group(3)), 3)
-    timeline = {"first_log_line": first, **marks}
-    res["timeline_s"] = {k: round(v - t0_wall, 3) for k, v in timeline.items() if v is not None}
-    return res
-
-
-# -- Kafka helpers (harness side, confluent-kafka) ----------------------------------------------
-def _conf(bootstrap: str, **extra: Any) -> dict[str, Any]:
-    return {"bootstrap.servers": bootstrap, **extra}
-
-
-def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
-    from confluent_kafka import Consumer, TopicPartition
-
-    c = Consumer(_conf(bootstrap, **{"group.id": f"bench-recovery-offsets-{uuid.uuid4().hex[:6]}"}))
-    try:
-        md = c.list_topics(topic, timeout=30).topics[topic]
-        return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
-                for p in sorted(md.partitions)}
-    finally:
-        c.close()
-
-
-class Fleet:
-    """The open episodes, encoded, and a producer for them and for the probes."""
-
-    def __init__(self, bootstrap: str, topic: str, compression: str) -> None:
-        from confluent_kafka import Producer
-
-        self.topic = topic
-        self.errors: list[str] = []
-        self.producer = Producer(_conf(bootstrap, **{
-            "compression.type": compression, "linger.ms": 20, "enable.idempotence": True,
-            "partitioner": "murmur2_random", "queue.buffering.max.messages": 1_000_000,
-            "batch.size": 1_000_000}))
-
-    def _cb(self, err: Any, _msg: Any) -> None:
-        if err is not None:
-            self.errors.append(str(err))
-
-    def produce(self, records: list[tuple[bytes, bytes, int | None]], timeout: float) -> None:
-        for i, (key, value, partition) in enumerate(records):
-            kw: dict[str, Any] = {} if partition is None else {"partition": partition}
-            while True:
-                try:
-                    self.producer.produce(self.topic, value, key=key, on_delivery=self._cb, **kw)
-                    break
-                except BufferError:
-                    self.producer.poll(0.05)
-            if i % 10_000 == 0:
-                self.producer.poll(0)
-        if self.producer.flush(timeout) or self.errors:
-            raise RuntimeError(f"producing to {self.topic}: {self.errors[:3] or 'flush timed out'}")
-
-    def close(self) -> None:
-        self.producer.flush(10)
-        del self.producer
 
 
 def open_episodes(n: int, sandboxes: int, max_calls: int, task: str, seed: int
@@ -223,163 +109,6 @@ def open_episodes(n: int, sandboxes: int, max_calls: int, task: str, seed: int
     return records, len(records)
 
 
-def probe_records(partitions: int, task: str, tag: str
-                  ) -> tuple[list[tuple[bytes, bytes, int | None]], dict[bytes, int]]:
-    """One EpisodeStart of a new sandbox/episode per input partition; the replay keys."""
-    from trajbus.bus.topics import episode_record_key
-    from trajbus.schemas import models as m
-
-    recs: list[tuple[bytes, bytes, int | None]] = []
-    keys: dict[bytes, int] = {}
-    for p in range(partitions):
-        sb = ep = f"probe-{tag}-p{p}"
-        ev = m.EpisodeStart(header=m.Envelope(event_id=f"{ep}-0", task=task, sandbox=sb,
-                                              episode=ep, seq=0, producer_id=f"sandbox/{sb}"))
-        recs.append((sb.encode(), ev.encode(), p))
-        keys[episode_record_key(sb, ep)] = p
-    return recs, keys
-
-
-class GroupWatch:
-    """The worker group's committed offsets on the input topic, through aiokafka's admin client
-    on a private event loop. Not librdkafka's: its admin OffsetFetch can segfault while the
-    group's coordinator is not known yet (a fresh broker, a group not joined yet; seen here
-    with confluent-kafka 2.16 / librdkafka 2.16, cf. confluent-kafka-python#1982)."""
-
-    def __init__(self, bootstrap: str, group: str, topic: str) -> None:
-        from aiokafka.admin import AIOKafkaAdminClient
-
-        async def start() -> AIOKafkaAdminClient:
-            admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap,
-                                        client_id="bench-recovery-watch")
-            await admin.start()
-            return admin
-
-        self.loop = asyncio.new_event_loop()
-        self.admin = self.loop.run_until_complete(asyncio.wait_for(start(), 30))
-        self.group = group
-        self.topic = topic
-
-    def committed(self, partitions: list[int]) -> dict[int, int]:
-        from aiokafka.structs import TopicPartition
-
-        tps = [TopicPartition(self.topic, p) for p in partitions]
-        try:
-            res = self.loop.run_until_complete(asyncio.wait_for(
-                self.admin.list_consumer_group_offsets(self.group, partitions=tps), 5))
-        except Exception:  # coordinator not known yet, or a timeout: ask again
-            return {}
-        return {tp.partition: om.offset for tp, om in res.items() if om is not None}
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self.admin.close())
-        self.loop.close()
-
-    def wait_caught_up(self, target: dict[int, int], proc: subprocess.Popen[bytes],
-                       timeout: float) -> float:
-        """Seconds until committed >= target on every partition; raises at the deadline or if
-        the worker exits."""
-        t = time.monotonic()
-        deadline = t + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the worker exited ({proc.returncode}) before catching up")
-            got = self.committed(sorted(target))
-            if all(got.get(p, -1) >= end for p, end in target.items()):
-                return time.monotonic() - t
-            time.sleep(0.2)
-        raise TimeoutError(f"the worker did not catch up within {timeout:.0f} s "
-                           f"(committed {self.committed(sorted(target))}, target {target})")
-
-
-class ReplayWatch:
-    """A read_committed consumer of the replay topic, positioned at its end: when does each
-    probe's segment become visible?"""
-
-    def __init__(self, bootstrap: str, topic: str) -> None:
-        from confluent_kafka import Consumer, TopicPartition
-
-        self.c = Consumer(_conf(bootstrap, **{
-            "group.id": f"bench-recovery-watch-{uuid.uuid4().hex[:8]}",
-            "enable.auto.commit": False, "isolation.level": "read_committed",
-            "fetch.wait.max.ms": 20}))
-        md = self.c.list_topics(topic, timeout=30).topics[topic]
-        parts = sorted(md.partitions)
-        ends = {p: self.c.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
-                for p in parts}
-        self.c.assign([TopicPartition(topic, p, ends[p]) for p in parts])
-        self.c.poll(0.2)  # connect and start fetching before the clock starts
-
-    def wait(self, keys: set[bytes], timeout: float) -> dict[bytes, float]:
-        """monotonic time at which each key was first seen; raises at the deadline. The
-        first value of each is kept in ``values``."""
-        self.values: dict[bytes, bytes] = {}
-        seen: dict[bytes, float] = {}
-        deadline = time.monotonic() + timeout
-        while set(seen) < keys:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"probes not served within {timeout:.0f} s: "
-                                   f"missing {sorted(k.decode() for k in keys - set(seen))}")
-            for msg in self.c.consume(1000, 0.05):
-                if msg.error() is not None:
-                    continue
-                now = time.monotonic()
-                k = msg.key()
-                if k in keys and k not in seen:
-                    seen[k] = now
-                    self.values[k] = msg.value()
-        return seen
-
-    def close(self) -> None:
-        self.c.close()
-
-
-# -- the worker --------------------------------------------------------------------------------
-class WorkerProc:
-    """``python -m trajbus worker --processors reorder`` as a subprocess."""
-
-    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
-        self.env = env
-        self.log_dir = log_dir
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path: Path | None = None
-        self.incarnation = 0
-
-    def start(self) -> subprocess.Popen[bytes]:
-        self.log_path = self.log_dir / f"worker-{self.incarnation}.log"
-        self.incarnation += 1
-        cmd = [sys.executable, "-m", "trajbus", "worker", "--processors", "reorder",
-               "--worker-id", WORKER_ID, "-v"]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, env=self.env, cwd=ROOT, stdout=log, stderr=log)
-        return self.proc
-
-    def sigkill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-
-def import_time() -> float:
-    """Wall seconds of the worker's imports in a fresh interpreter (the first stretch of a
-    restart that the worker's log cannot show)."""
-    code = ("import trajbus.cli, trajbus.consumers.engine.cli, trajbus.consumers.engine.runner, "
-            "trajbus.consumers.engine.processors")
-    t = time.monotonic()
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
-    return round(time.monotonic() - t, 2)
-
-
 # -- the benchmark -----------------------------------------------------------------------------
 def run(a: argparse.Namespace, bootstrap: str, work: Path) -> dict[str, Any]:
     from trajbus.bus.admin import ensure_base_topics
@@ -397,12 +126,8 @@ def run(a: argparse.Namespace, bootstrap: str, work: Path) -> dict[str, Any]:
     t = time.monotonic()
     records, n_events = open_episodes(a.episodes, a.sandboxes, a.max_calls, a.task, a.seed)
     t_encode = time.monotonic() - t
-    env = dict(os.environ)
-    env.update({"TRAJBUS_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
-                "TRAJBUS_TOPICS__PREFIX": prefix,
-                "TRAJBUS_TOPICS__PARTITIONS": str(a.partitions),
-                "TRAJBUS_STATE_DIR": str(work / "state")})
-    worker = WorkerProc(env, work)
+    worker = WorkerProc(worker_env(bootstrap, prefix, a.partitions,
+                                   TRAJBUS_STATE_DIR=str(work / "state")), work)
     fleet = Fleet(bootstrap, topics.sandbox_events, compression)
     group: GroupWatch | None = None
     rounds: list[dict[str, Any]] = []
@@ -584,24 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     a.repeat = max(1, a.repeat)
     work = a.dir or Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     work.mkdir(parents=True, exist_ok=True)
-    broker = None
-    broker_dir: Path | None = None
-    bootstrap = a.bootstrap
-    try:
-        if bootstrap is None:
-            from trajbus.infra.broker import LocalBroker, free_port
-
-            broker_dir = Path(tempfile.mkdtemp(prefix="bench-recovery-kafka-"))
-            broker = LocalBroker(data_dir=broker_dir, port=free_port(),
-                                 controller_port=free_port())
-            broker.start(timeout=120)
-            bootstrap = broker.bootstrap
+    with broker_for(a.bootstrap, "bench-recovery") as bootstrap:
         res = run(a, bootstrap, work)
-    finally:
-        if broker is not None:
-            broker.stop(timeout=30)
-        if broker_dir is not None:
-            shutil.rmtree(broker_dir, ignore_errors=True)
     a.json.write_text(json.dumps(res, indent=2, default=str) + "\n")
     s, rr = res["kill_to_serving_all_partitions_s"], res["rss_ratio"]
     first = res["uninterrupted_worker"]

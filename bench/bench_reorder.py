@@ -35,6 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness.events import displace_late
+
 from trajbus.bus.settings import ReplaySettings
 from trajbus.consumers.replay.core import InEvent, ReorderCore
 
@@ -52,14 +54,7 @@ def make_events(n_eps: int, per_ep: int, shuffle_frac: float, seed: int) -> list
             raw = b"%s|%s|%d|" % (sb.encode(), ep.encode(), s) + pad
             evs.append(InEvent("task", sb, ep, s, 1_000 + s, "ToolCall", raw))
         if shuffle_frac:
-            j = 0
-            while j < len(evs) - 1:
-                if rng.random() < shuffle_frac:
-                    k = min(len(evs) - 1, j + rng.randint(1, 3))
-                    evs.insert(k, evs.pop(j))
-                    j = k + 1
-                else:
-                    j += 1
+            displace_late(evs, rng, shuffle_frac)
         streams.append(evs)
     return [streams[i][r] for r in range(per_ep) for i in range(n_eps)]
 

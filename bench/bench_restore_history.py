@@ -94,16 +94,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import heapq
 import json
-import logging
 import os
 import random
-import re
 import shutil
 import statistics
-import struct
 import sys
 import tempfile
 import time
@@ -113,236 +109,16 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_recovery import (  # noqa: E402  (--kill: the same worker, probes and watches)
-    GROUP_SUFFIX,
-    Fleet,
-    GroupWatch,
-    ReplayWatch,
-    WorkerProc,
-    import_time,
-    parse_log,
-    probe_records,
-    rss_mb,
-    stats,
-)
-from bench_recovery import end_offsets as topic_end_offsets  # noqa: E402
+from harness.broker import cleaner_checkpoint, segments  # noqa: E402
+from harness.changelog import Blobs, Partition, Writer, restore_once  # noqa: E402
+from harness.kafka import count_records, delete_topic, end_offsets  # noqa: E402
+from harness.restart import kill_rounds  # noqa: E402
 
 IMPORTS_S = 0.7  # a worker's imports in a fresh interpreter (SCALING.md section 8)
 SERVE_S = 0.2  # restore finished -> probes visible (SCALING.md section 8)
 TARGET_S = 5.0
 TARGET_RSS = 1.2  # RSS after a restore / before the crash (issue 18)
-_RESTORED_RE = re.compile(r"restored (\d+) state records for partitions \[([^\]]*)\] in "
-                          r"([\d.]+)s")
-_FIXED = struct.Struct("<qqqqqqqqqBI")  # the reorder core's episode fields (core._pack)
-_ACTIVE = 3  # last activity (core clock, ms): the idle timer counts from it
-_TIMES = (2, 3, 4, 7, 8)  # last event time, active, gap since, recycle at, expire at
-
-
-# -- blobs -------------------------------------------------------------------------------------
-class Blobs:
-    """Real reorder state blobs (an open and a closed episode with a full dedupe ring), re-keyed
-    per episode with a fresh random ring."""
-
-    def __init__(self) -> None:
-        from trajbus.bus.settings import read_settings
-        from trajbus.consumers.engine.processors import ReorderProcessor
-        from trajbus.consumers.engine.runner import InRecord
-        from trajbus.schemas import models as m
-
-        proc = ReorderProcessor(read_settings())
-        t0 = int(time.time() * 1000)
-        rng = random.Random(7)
-        recs = []
-        for i, end in ((0, False), (1, True)):
-            sb, ep = f"sb-{i:06d}", f"ep-{i:08d}"
-
-            def hdr(seq: int, sb: str = sb, ep: str = ep) -> m.Envelope:
-                return m.Envelope(event_id=f"{ep}-{seq}", task="bench", sandbox=sb, episode=ep,
-                                  seq=seq, event_time_ms=t0 + seq * 100,
-                                  producer_id=f"sandbox/{sb}")
-
-            evs: list[m.Event] = [m.EpisodeStart(header=hdr(0))]
-            for c in range(40):
-                evs.append(m.ToolCall(header=hdr(2 * c + 1), call_id=f"c{c}", tool="shell",
-                                      args_hash=f"{rng.getrandbits(256):064x}"))
-                evs.append(m.ToolResult(header=hdr(2 * c + 2), call_id=f"c{c}", tool="shell",
-                                        status=m.ToolStatus.OK,
-                                        result_hash=f"{rng.getrandbits(256):064x}"))
-            if end:
-                evs.append(m.EpisodeEnd(header=hdr(81), outcome=m.EpisodeOutcome.TERMINAL))
-            recs += [InRecord("in", 0, len(recs) + j, sb.encode(), e.encode(), t0)
-                     for j, e in enumerate(evs)]
-        proc.handle_batch(recs)
-        dirty = proc.take_dirty()
-        self.open = self._template(dirty["sb-000000/ep-00000000"] or b"")
-        self.closed = self._template(dirty["sb-000001/ep-00000001"] or b"")
-        self.clock = dirty["@clock"] or b""
-        self._rand = b""
-        self._pos = 0
-
-    @staticmethod
-    def _template(blob: bytes) -> tuple[bytes, list[int], int, bytes]:
-        """(tag + task, fixed fields, ring length, the rest) of a blob."""
-        off = 2
-        parts = []
-        for _ in range(3):  # task, sandbox, episode
-            (n,) = struct.unpack_from("<I", blob, off)
-            parts.append((off, n))
-            off += 4 + n
-        head = blob[: parts[1][0]]
-        fixed = list(_FIXED.unpack_from(blob, off))
-        ring_len = fixed[-1]
-        rest = blob[off + _FIXED.size + 8 * ring_len:]
-        return head, fixed, ring_len, rest
-
-    def _ring(self, n: int) -> bytes:
-        if self._pos + n > len(self._rand):
-            self._rand, self._pos = os.urandom(max(n, 1 << 22)), 0
-        self._pos += n
-        return self._rand[self._pos - n: self._pos]
-
-    def blob(self, sb: str, ep: str, closed: bool = False, at_ms: int | None = None) -> bytes:
-        """The state of episode ``sb``/``ep``; ``at_ms``: the core's clock when it was written
-        (its last activity, hence its idle timer; a closed one's delete ``tombstone_ttl`` later),
-        so that a worker restoring it fires its timers when the history says (default: the
-        time the template was built)."""
-        head, fixed, ring_len, rest = self.closed if closed else self.open
-        if at_ms is not None:
-            fixed = list(fixed)
-            shift = at_ms - fixed[_ACTIVE]
-            for i in _TIMES:
-                if fixed[i] >= 0:
-                    fixed[i] += shift
-        sbb, epb = sb.encode(), ep.encode()
-        return b"".join((head, struct.pack("<I", len(sbb)), sbb, struct.pack("<I", len(epb)),
-                         epb, _FIXED.pack(*fixed), self._ring(8 * ring_len), rest))
-
-    def clock_at(self, at_ms: int | None) -> bytes:
-        """The ``@clock`` record of a core whose clock reads ``at_ms``."""
-        return self.clock if at_ms is None else self.clock[:2] + struct.pack("<q", at_ms)
-
-
-# -- the broker's files ------------------------------------------------------------------------
-def segments(log_dir: Path, topic: str, partition: int) -> list[tuple[int, int]]:
-    """(base offset, bytes) of each segment file of a partition, in order."""
-    d = log_dir / f"{topic}-{partition}"
-    out = []
-    for f in d.glob("*.log"):
-        try:
-            out.append((int(f.stem), f.stat().st_size))
-        except (OSError, ValueError):
-            continue
-    return sorted(out)
-
-
-def cleaner_checkpoint(log_dir: Path, topic: str) -> dict[int, int]:
-    """The log cleaner's cleaned-up-to offset per partition of ``topic``."""
-    out: dict[int, int] = {}
-    try:
-        lines = (log_dir / "cleaner-offset-checkpoint").read_text().splitlines()
-    except OSError:
-        return out
-    for line in lines[2:]:
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == topic:
-            out[int(parts[1])] = int(parts[2])
-    return out
-
-
-# -- writing -------------------------------------------------------------------------------------
-class Writer:
-    def __init__(self, bootstrap: str, topic: str) -> None:
-        from confluent_kafka import Producer
-
-        self.topic = topic
-        self.errors: list[str] = []
-        self.records = 0
-        self.bytes = 0
-        self.p = Producer({"bootstrap.servers": bootstrap, "compression.type": "lz4",
-                           "linger.ms": 5, "batch.size": 1_048_576, "enable.idempotence": True,
-                           "queue.buffering.max.messages": 2_000_000,
-                           "queue.buffering.max.kbytes": 1_048_576})
-
-    def _cb(self, err: Any, _msg: Any) -> None:
-        if err is not None:
-            self.errors.append(str(err))
-
-    def put(self, partition: int, key: str, value: bytes | None) -> None:
-        k = key.encode()
-        while True:
-            try:
-                self.p.produce(self.topic, value, key=k, partition=partition, on_delivery=self._cb)
-                break
-            except BufferError:
-                self.p.poll(0.05)
-        self.records += 1
-        self.bytes += len(k) + (len(value) if value else 0)
-        if self.records % 20_000 == 0:
-            self.p.poll(0)
-
-    def flush(self) -> None:
-        if self.p.flush(120) or self.errors:
-            raise RuntimeError(f"producing to {self.topic}: {self.errors[:3] or 'flush timed out'}")
-
-
-class Partition:
-    """One changelog partition's simulated episodes (keys i = partition mod P)."""
-
-    def __init__(self, p: int, n_partitions: int, open_eps: int, closed_eps: int,
-                 ttl_s: float, start_index: int) -> None:
-        self.p = p
-        self.step = n_partitions
-        self.next_i = start_index + p
-        self.open: list[str] = [self._new() for _ in range(open_eps)]
-        # (due simulated time, key) of closed episodes still remembered
-        self.deletes: list[tuple[float, str]] = [
-            (ttl_s * (j + 0.5) / max(1, closed_eps), self._new()) for j in range(closed_eps)]
-        self.closed_initial = list(self.deletes)
-        self.in_changelog: set[str] = set(self.open)  # open episodes with a state written
-        heapq.heapify(self.deletes)
-        self.written = 0
-
-    def _new(self) -> str:
-        i = self.next_i
-        self.next_i += self.step
-        return f"sb-{i % 1_000_000:06d}/ep-{i:08d}"
-
-
-async def restore_once(bootstrap: str, prefix: str, partitions: int) -> dict[str, Any]:
-    from aiokafka import TopicPartition
-
-    from trajbus.bus.settings import KafkaSettings, Settings, TopicSettings
-    from trajbus.consumers.engine.processors import reorder_spec
-    from trajbus.consumers.engine.runner import Runner
-
-    settings = Settings(kafka=KafkaSettings(bootstrap_servers=bootstrap),
-                        topics=TopicSettings(prefix=prefix, partitions=partitions))
-    runner = Runner(settings, reorder_spec(settings), "bench")
-    lines: list[str] = []
-
-    class Grab(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    lg = logging.getLogger("trajbus.runner")
-    handler = Grab()
-    lg.addHandler(handler)
-    lg.setLevel(logging.INFO)
-    t = time.monotonic()
-    try:
-        await runner._restore([TopicPartition(f"{prefix}.sandbox.events", p)
-                               for p in range(partitions)])
-    finally:
-        lg.removeHandler(handler)
-    wall = time.monotonic() - t
-    m = next((m for m in map(_RESTORED_RE.search, lines) if m), None)
-    if m is None:
-        raise RuntimeError(f"no restore line in {lines}")
-    eps = sum(len(getattr(c, "core", c)._eps) for c in runner.cores.values())
-    return {"records": int(m.group(1)), "restore_s": float(m.group(3)), "wall_s": round(wall, 3),
-            "episodes_in_cores": eps}
 
 
 def scenario(args: argparse.Namespace, bootstrap: str, log_dir: Path, hours: float,
@@ -495,7 +271,7 @@ def scenario(args: argparse.Namespace, bootstrap: str, log_dir: Path, hours: flo
     if args.worst_case and args.kills > 0:
         res["worst_case"] = worst_case(args, bootstrap, log_dir, prefix, topic, parts,
                                        write_recent, rate_p, wall0_ms, blobs)
-    asyncio.run(_delete_topic(settings, topic))
+    delete_topic(settings, topic)
     print(f"[restore-history] {hours:g} h: wrote {res['records_written']:,} "
           f"({res['write_s']} s), cleaner {'caught up' if cleaned else 'NOT caught up'} "
           f"after {res['cleaner_wait_s']} s; read {records:,} records for {live_keys:,} live "
@@ -562,238 +338,6 @@ def worst_case(args: argparse.Namespace, bootstrap: str, log_dir: Path, prefix: 
     return out
 
 
-# -- --kill: a real worker restores the aged changelog, is SIGKILLed, restores it again ----------
-def cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of a live process (/proc/<pid>/stat): on a shared box, the
-    load-independent part of a restart's wall time."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
-
-
-def when_ready(make: Any, patience_s: float = 60) -> Any:
-    """``make()``, retried while the broker answers that a new topic has no leader yet."""
-    from confluent_kafka import KafkaException
-
-    deadline = time.monotonic() + patience_s
-    while True:
-        try:
-            return make()
-        except KafkaException:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
-
-
-def continuation_records(parts: list[Partition], k: int, next_seq: int, task: str
-                         ) -> tuple[list[tuple[bytes, bytes, int | None]], dict[bytes, int]]:
-    """The next event (a ToolCall, seq ``next_seq``) of the k-th open episode (with a state in
-    the changelog: one opened by the history's last records may have none yet) of every
-    changelog partition at the history's end, into the input partition of the same number
-    (the core that holds its state); the replay keys. Its segment comes out at once, without a
-    gap, only if the worker restored that episode's state."""
-    from trajbus.bus.topics import episode_record_key
-    from trajbus.schemas import models as m
-
-    recs: list[tuple[bytes, bytes, int | None]] = []
-    keys: dict[bytes, int] = {}
-    for part in parts:
-        sb, ep = [key for key in part.open if key in part.in_changelog][k].split("/")
-        ev = m.ToolCall(header=m.Envelope(event_id=f"{ep}-{next_seq}", task=task, sandbox=sb,
-                                          episode=ep, seq=next_seq,
-                                          producer_id=f"sandbox/{sb}"),
-                        call_id=f"c{next_seq}", tool="shell", args_hash=f"{next_seq:064x}")
-        recs.append((sb.encode(), ev.encode(), part.p))
-        keys[episode_record_key(sb, ep)] = part.p
-    return recs, keys
-
-
-def continued_ok(watch: ReplayWatch, keys: dict[bytes, int], next_seq: int) -> bool:
-    from trajbus.schemas.codec import default_codec
-
-    codec = default_codec()
-    for k in keys:
-        rec = codec.decode(watch.values[k]).record
-        if rec["first_seq"] != next_seq or rec["gap"] is not None or rec["is_first"]:
-            print(f"[restore-history] {k.decode()}: segment {rec['first_seq']}-"
-                  f"{rec['last_seq']} gap {rec['gap']} is_first {rec['is_first']}: the "
-                  "restored state was not used", flush=True)
-            return False
-    return True
-
-
-def kill_rounds(args: argparse.Namespace, bootstrap: str, prefix: str, parts: list[Partition],
-                aged_records: int, history_end_ms: int, next_seq: int) -> dict[str, Any]:
-    """One reorder worker (``python -m trajbus worker --processors reorder --worker-id bench``,
-    bench_recovery's WorkerProc) on the aged changelog, SIGKILLed and restarted ``--kills``
-    times. Serving = bench_recovery's: one fresh EpisodeStart per input partition, produced once
-    the new process is spawned, visible as a ReplaySegment to a read_committed consumer."""
-    from trajbus.bus.admin import ensure_base_topics
-    from trajbus.bus.settings import KafkaSettings, Settings, TopicSettings
-    from trajbus.bus.topics import Topics
-
-    P = args.partitions
-    task = "bench"  # the task of the changelog's episodes (Blobs): one replay topic for all
-    settings = Settings(kafka=KafkaSettings(bootstrap_servers=bootstrap),
-                        topics=TopicSettings(prefix=prefix, partitions=P))
-    topics = Topics(settings)
-    state_topic = f"{prefix}{GROUP_SUFFIX}.state"
-    # The input topics are empty and the group has no committed offsets: the worker starts
-    # at their end (0), as one whose history's offsets were all committed with that state.
-    asyncio.run(ensure_base_topics(settings, [task]))
-    work = Path(tempfile.mkdtemp(prefix="bench-restore-history-kill-", dir=args.dir))
-    env = dict(os.environ)
-    env.update({"TRAJBUS_KAFKA__BOOTSTRAP_SERVERS": bootstrap, "TRAJBUS_TOPICS__PREFIX": prefix,
-                "TRAJBUS_TOPICS__PARTITIONS": str(P), "TRAJBUS_STATE_DIR": str(work / "state")})
-    worker = WorkerProc(env, work)
-    fleet = Fleet(bootstrap, topics.sandbox_events, KafkaSettings().compression_type or "none")
-    group = GroupWatch(bootstrap, prefix + GROUP_SUFFIX, topics.sandbox_events)
-    replay = topics.replay(task)
-    incarnations: list[dict[str, Any]] = []
-
-    def serve(k: int, kill: bool) -> dict[str, Any]:
-        """(SIGKILL the worker and) start it, probe every partition, wait until served and
-        caught up; the figures of this incarnation."""
-        fresh, fresh_keys = probe_records(P, task, f"k{k}-{uuid.uuid4().hex[:4]}")
-        cont, cont_keys = continuation_records(parts, k, next_seq, task)
-        watch = when_ready(lambda: ReplayWatch(bootstrap, replay))
-        prev = worker.proc
-        rss_before = rss_mb(prev.pid) if kill and prev is not None else None
-        state_offsets = sum(end_offsets(bootstrap, state_topic, P).values())
-        try:
-            t0_wall, t0 = time.time(), time.monotonic()
-            if kill:
-                worker.sigkill()
-            t_dead = time.monotonic()
-            proc = worker.start()
-            t_spawned = time.monotonic()
-            fleet.produce(fresh + cont, timeout=args.kill_timeout)
-            t_probes = time.monotonic()
-            seen = watch.wait(set(fresh_keys) | set(cont_keys), args.kill_timeout)
-            cpu = cpu_s(proc.pid)  # the new process's CPU time to serving (and a little)
-            ok = continued_ok(watch, cont_keys, next_seq)
-        finally:
-            watch.close()
-        group.wait_caught_up(topic_end_offsets(bootstrap, topics.sandbox_events), proc,
-                             args.kill_timeout)
-        time.sleep(args.settle)
-        after = rss_mb(proc.pid)
-        assert worker.log_path is not None
-        log = parse_log(worker.log_path, t0_wall)
-        serving = max(seen[x] for x in fresh_keys) - t0
-        first = min(seen[x] for x in fresh_keys) - t0
-        res: dict[str, Any] = {
-            "incarnation": k, "after": "SIGKILL" if kill else "first start",
-            "to_serving_all_partitions_s": round(serving, 3),
-            "to_first_partition_s": round(first, 3),
-            "worker_cpu_s_at_serving": cpu,
-            "to_continued_episodes_served_s": round(max(seen[x] for x in cont_keys) - t0, 3),
-            "continued_restored_episodes": ok,
-            "restored_records": log["restored_records"], "restore_s": log["restore_s"],
-            "restore_lines": log["restore_lines"],
-            "state_topic_offsets_at_start": state_offsets,
-            "timeline_s": {"dead": round(t_dead - t0, 3), "spawned": round(t_spawned - t0, 3),
-                           "probes_produced": round(t_probes - t0, 3), **log["timeline_s"],
-                           "first_probe_served": round(first, 3),
-                           "all_probes_served": round(serving, 3)},
-            "rss_before_mb": (rss_before or {}).get("rss_mb"),
-            "rss_after_mb": (after or {}).get("rss_mb"),
-            "peak_rss_after_mb": (after or {}).get("peak_rss_mb"),
-            "load_avg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-        }
-        if not kill:
-            res["state_clock_behind_wall_s"] = round(t0_wall - history_end_ms / 1000, 1)
-        if res["rss_before_mb"] and res["rss_after_mb"]:
-            res["rss_ratio"] = round(res["rss_after_mb"] / res["rss_before_mb"], 3)
-        print(f"[restore-history] {'SIGKILL' if kill else 'start'} -> serving all {P} "
-              f"partitions {serving:.2f} s (first {first:.2f} s); restored "
-              f"{res['restored_records']:,} records in {res['restore_s']} s (aged changelog: "
-              f"{aged_records:,}); continued episodes {'ok' if ok else 'NOT OK'}; RSS "
-              f"{res['rss_before_mb']} -> {res['rss_after_mb']} MB; load {res['load_avg']}",
-              flush=True)
-        return res
-
-    try:
-        incarnations.append(serve(0, kill=False))
-        for k in range(1, args.kills + 1):
-            incarnations.append(serve(k, kill=True))
-    finally:
-        worker.stop()
-        fleet.close()
-        group.close()
-        gc.collect()  # librdkafka clients gone before the topics and the broker
-    kills = incarnations[1:]
-    serving = [r["to_serving_all_partitions_s"] for r in kills]
-    ratios = [r["rss_ratio"] for r in kills if "rss_ratio" in r]
-    phases = {name: stats([r["timeline_s"][name] for r in kills if name in r["timeline_s"]])
-              ["median"] for name in ("first_log_line", "subscribed", "joined_group",
-                                      "assigned", "restored", "all_probes_served")}
-    return {
-        "measure": "SIGKILL of the reorder worker -> every fresh probe (one EpisodeStart per "
-                   "input partition, produced once the restarted worker, same --worker-id, was "
-                   "spawned) visible as a ReplaySegment to a read_committed consumer "
-                   "(bench_recovery's definition); RSS = VmRSS "
-                   f"{args.settle:g} s after its group's committed offsets reached the input's "
-                   "end; each incarnation also continued one restored open episode per "
-                   "partition (its next seq: a segment without a gap only from its state)",
-        "aged_changelog_records": aged_records,
-        "kill_to_serving_all_partitions_s": serving,
-        "kill_to_serving_stats_s": stats(serving),
-        "kill_to_first_partition_s": [r["to_first_partition_s"] for r in kills],
-        "worker_cpu_s_at_serving": [r["worker_cpu_s_at_serving"] for r in kills],
-        "restored_records": [r["restored_records"] for r in incarnations],
-        "restore_s": [r["restore_s"] for r in incarnations],
-        "restored_the_aged_changelog": all(r["restored_records"] >= aged_records
-                                           for r in incarnations),
-        "continued_restored_episodes": all(r["continued_restored_episodes"]
-                                           for r in incarnations),
-        "rss_first_start_mb": incarnations[0]["rss_after_mb"],
-        "rss_before_kill_mb": [r["rss_before_mb"] for r in kills],
-        "rss_after_restore_mb": [r["rss_after_mb"] for r in kills],
-        "rss_ratio": ratios,
-        "timeline_after_kill_median_s": phases,
-        "python_import_s": import_time(),
-        "load_avg": [r["load_avg"] for r in kills],
-        "_incarnations": incarnations,
-        "_logs": str(work),
-    }
-
-
-def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:
-    from confluent_kafka import Consumer, TopicPartition
-
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"rh-{uuid.uuid4().hex[:6]}"})
-    try:
-        return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
-                for p in range(partitions)}
-    finally:
-        c.close()
-
-
-def count_records(bootstrap: str, topic: str) -> tuple[int, int]:
-    """(records, tombstones) of partition 0 of ``topic``, read from the start to its end."""
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"rh-{uuid.uuid4().hex[:6]}",
-                  "enable.auto.commit": False})
-    try:
-        end = c.get_watermark_offsets(TopicPartition(topic, 0), timeout=30)[1]
-        c.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
-        n = dead = 0
-        pos = -1
-        while pos < end - 1:
-            for msg in c.consume(10_000, 1.0):
-                if msg.error() is None:
-                    n += 1
-                    dead += msg.value() is None
-                    pos = msg.offset()
-        return n, dead
-    finally:
-        c.close()
-
-
 def expiry_check(args: argparse.Namespace, bootstrap: str, log_dir: Path,
                  configs: dict[str, str], blobs: Blobs) -> dict[str, Any]:
     """Does the cleaner drop tombstones ``delete.retention.ms`` after it first cleaned them?
@@ -844,7 +388,7 @@ def expiry_check(args: argparse.Namespace, bootstrap: str, log_dir: Path,
     fill_until_rolls(1)
     waited.append(wait_cleaned())
     after = count_records(bootstrap, topic)
-    asyncio.run(_delete_topic(settings, topic))
+    delete_topic(settings, topic)
     res = {"delete_retention_s": retention_s, "tombstones_written": n_dead,
            "after_first_cleaning": {"records": before[0], "tombstones": before[1]},
            "after_retention_and_next_cleaning": {"records": after[0], "tombstones": after[1]},
@@ -853,19 +397,6 @@ def expiry_check(args: argparse.Namespace, bootstrap: str, log_dir: Path,
           f"tombstones {before[1]:,} after the first cleaning, {after[1]:,} after the "
           f"retention and the next cleaning", flush=True)
     return res
-
-
-async def _delete_topic(settings: Any, topic: str) -> None:
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    from trajbus.bus.kafka import connection_options
-
-    admin = AIOKafkaAdminClient(**connection_options(settings.kafka))
-    await admin.start()
-    try:
-        await admin.delete_topics([topic])
-    finally:
-        await admin.close()
 
 
 def main() -> None:

@@ -55,15 +55,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import os
 import random
 import re
-import resource
-import statistics
-import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -75,64 +70,27 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+from harness.drain import DrainWatch, run_measured  # noqa: E402
+from harness.events import displace_late, event_templates, write_schemas  # noqa: E402
+from harness.figures import median  # noqa: E402
+from harness.kafka import (  # noqa: E402
+    copy_topic,
+    create_topics,
+    end_offsets,
+    produce_records,
+    read_topic,
+)
+from harness.trees import export_ref, git_describe, git_dirty  # noqa: E402
+from peers.quix import QUIX_VENV, peer_quix, quix_python  # noqa: E402
+from peers.reorder_loop import peer_aiokafka, peer_confluent  # noqa: E402
+
 TARGET_RATIO = 0.7
 VARIANTS = ("trajbus", "confluent-txn", "confluent", "aiokafka-txn", "aiokafka", "quix-eos")
 BASELINE = "confluent-txn"
 TASKS = ("swe-bench", "web-shop", "terminal", "math")
-QUIX_VENV = ROOT / ".trajbus" / "venv-quix"
-TICK_KEY = b"_tick"
-HEADER_LEN = 10  # Avro single-object header: C3 01 + 8-byte fingerprint
-
-
-# -- measuring ---------------------------------------------------------------------------------
-def proc_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of a live process (all its threads), from /proc."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def box_cpu() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat."""
-    vals = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-    total = sum(vals[:8])
-    return (total - idle) / CLK_TCK, total / CLK_TCK
-
-
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 # -- the backlog -------------------------------------------------------------------------------
-def event_templates() -> tuple[dict[str, Any], ...]:
-    """Avro-ready records of EpisodeStart, ToolCall, ToolResult and EpisodeEnd (built once
-    through the models, so every field is present); copy one and set the header and fields."""
-    from trajbus.schemas import models as m
-
-    def tmpl(ev: Any) -> dict[str, Any]:
-        return m._avro_ready(ev.to_record())
-
-    hdr = m.Envelope(event_id="x", task="t", sandbox="s", episode="e", seq=0, producer_id="p")
-    return (tmpl(m.EpisodeStart(header=hdr, tenant="team-a", context={"dataset": "v3"})),
-            tmpl(m.ToolCall(header=hdr, call_id="c", tool="shell", args_hash="0" * 64)),
-            tmpl(m.ToolResult(header=hdr, call_id="c", tool="shell", status=m.ToolStatus.OK,
-                              result_hash="0" * 64, duration_ms=1)),
-            tmpl(m.EpisodeEnd(header=hdr, outcome=m.EpisodeOutcome.TERMINAL)))
-
-
-def write_schemas(path: Path) -> None:
-    """{fingerprint hex: {kind, parsing canonical form}} of every bundled schema, for the peers
-    (which decode with fastavro alone)."""
-    from trajbus.schemas.codec import default_codec
-
-    reg = default_codec().registry
-    path.write_text(json.dumps({
-        info.fingerprint.hex(): {"kind": info.short_name, "canonical": info.canonical}
-        for info in (reg.reader(n) for n in reg.names)}))
 
 
 def make_backlog(sandboxes: int, events: int, disorder: float, dups: float, seed: int
@@ -201,14 +159,7 @@ def make_backlog(sandboxes: int, events: int, disorder: float, dups: float, seed
     # disorder: an event moves 1-3 places later in its sandbox's stream (a late send)
     ordered: list[tuple[str, list[bytes]]] = []
     for sb, evs in streams:
-        j = 0
-        while j < len(evs) - 1:
-            if rng.random() < disorder:
-                k = min(len(evs) - 1, j + rng.randint(1, 3))
-                evs.insert(k, evs.pop(j))
-                j = k + 1
-            else:
-                j += 1
+        displace_late(evs, rng, disorder)
         # duplicates: an exact copy re-sent 1-30 places later (a retried send)
         out: list[bytes] = []
         later: dict[int, list[bytes]] = {}
@@ -247,207 +198,6 @@ def make_backlog(sandboxes: int, events: int, disorder: float, dups: float, seed
             "mean_record_bytes": round(sum(len(v) for _, v in records) / len(records), 1),
             "seed": seed}
     return records, expected, desc
-
-
-# -- Kafka helpers (harness side, confluent-kafka) ----------------------------------------------
-def _conf(bootstrap: str, **extra: Any) -> dict[str, Any]:
-    return {"bootstrap.servers": bootstrap, **extra}
-
-
-def create_topics(bootstrap: str, names: list[str], partitions: int,
-                  compacted: bool = False) -> None:
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-    admin = AdminClient(_conf(bootstrap))
-    cfg = {"cleanup.policy": "compact"} if compacted else {}
-    fs = admin.create_topics([NewTopic(n, partitions, 1, config=cfg) for n in names])
-    for f in fs.values():
-        f.result(30)
-
-
-def produce_records(bootstrap: str, topic: str, records: list[tuple[bytes, bytes]],
-                    compression: str, partition_of: list[int] | None = None) -> None:
-    from confluent_kafka import Producer
-
-    p = Producer(_conf(bootstrap, **{"compression.type": compression, "linger.ms": 50,
-                                     "enable.idempotence": True, "partitioner": "murmur2_random",
-                                     "queue.buffering.max.messages": 1_000_000,
-                                     "batch.size": 1_000_000}))
-    errors: list[str] = []
-
-    def cb(err: Any, _msg: Any) -> None:
-        if err is not None:
-            errors.append(str(err))
-
-    for i, (k, v) in enumerate(records):
-        kw: dict[str, Any] = {} if partition_of is None else {"partition": partition_of[i]}
-        while True:
-            try:
-                p.produce(topic, v, key=k, on_delivery=cb, **kw)
-                break
-            except BufferError:
-                p.poll(0.05)
-        if i % 10_000 == 0:
-            p.poll(0)
-    if p.flush(120) or errors:
-        raise RuntimeError(f"producing to {topic}: {errors[:3] or 'flush timed out'}")
-
-
-def read_topic(bootstrap: str, topic: str, read_committed: bool = True
-               ) -> list[tuple[int, bytes | None, bytes]]:
-    """Every record of ``topic`` as (partition, key, value), in partition order."""
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
-
-    c = Consumer(_conf(bootstrap, **{
-        "group.id": f"bench-worker-check-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
-        "enable.partition.eof": True,
-        "isolation.level": "read_committed" if read_committed else "read_uncommitted"}))
-    try:
-        md = c.list_topics(topic, timeout=30).topics[topic]
-        parts = sorted(md.partitions)
-        c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
-        pending = set(parts)
-        out: list[tuple[int, bytes | None, bytes]] = []
-        deadline = time.monotonic() + 120
-        while pending and time.monotonic() < deadline:
-            for msg in c.consume(5000, 0.5):
-                err = msg.error()
-                if err is not None:
-                    if err.code() == KafkaError._PARTITION_EOF:
-                        pending.discard(msg.partition())
-                        continue
-                    raise RuntimeError(f"reading {topic}: {err}")
-                out.append((msg.partition() or 0, msg.key(), msg.value() or b""))
-        if pending:
-            raise RuntimeError(f"reading {topic}: partitions {sorted(pending)} not read to "
-                               "the end in 120 s")
-        return out
-    finally:
-        c.close()
-
-
-def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
-    from confluent_kafka import Consumer, TopicPartition
-
-    c = Consumer(_conf(bootstrap, **{"group.id": "bench-worker-offsets"}))
-    try:
-        md = c.list_topics(topic, timeout=30).topics[topic]
-        return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
-                for p in sorted(md.partitions)}
-    finally:
-        c.close()
-
-
-def copy_topic(bootstrap: str, src: str, dst: str, compression: str) -> None:
-    """dst := src record for record (same partition, key and value)."""
-    recs = read_topic(bootstrap, src, read_committed=False)
-    produce_records(bootstrap, dst, [(k or b"", v) for _, k, v in recs], compression,
-                    partition_of=[p for p, _, _ in recs])
-
-
-class GroupWatch:
-    """Polls a consumer group through the admin API: Stable with partitions assigned, and
-    its committed offsets on the input topic."""
-
-    def __init__(self, bootstrap: str, group: str, topic: str, target: dict[int, int]) -> None:
-        from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
-        from confluent_kafka.admin import AdminClient
-
-        self.admin = AdminClient(_conf(bootstrap))
-        self.group = group
-        self.target = target
-        self.request = [ConsumerGroupTopicPartitions(
-            group, [TopicPartition(topic, p) for p in sorted(target)])]
-
-    def active(self) -> bool:
-        from confluent_kafka import ConsumerGroupState
-
-        try:
-            desc = self.admin.describe_consumer_groups([self.group])[self.group].result(5)
-        except Exception:  # not known to the coordinator yet
-            return False
-        return desc.state == ConsumerGroupState.STABLE and any(
-            m.assignment is not None and m.assignment.topic_partitions for m in desc.members)
-
-    def drained(self) -> bool:
-        try:
-            res = self.admin.list_consumer_group_offsets(self.request)[self.group].result(5)
-        except Exception:
-            return False
-        got = {tp.partition: tp.offset for tp in res.topic_partitions}
-        return all(got.get(p, -1) >= end for p, end in self.target.items())
-
-
-# -- running one variant -----------------------------------------------------------------------
-def run_measured(cmd: list[str], env: dict[str, str] | None, watch: GroupWatch,
-                 timeout: float, log_path: Path, cwd: Path = ROOT) -> dict[str, Any]:
-    """Start ``cmd``, measure its CPU and wall time from group-active to drained, wait for
-    its exit."""
-    log = open(log_path, "ab")
-    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t_launch = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=log)
-    start: tuple[float, float, float, float] | None = None  # wall, cpu, box busy, harness
-    end: tuple[float, float, float, float] | None = None
-    last_cpu = 0.0
-    error = None
-    try:
-        deadline = t_launch + timeout
-        while time.monotonic() < deadline:
-            cpu = proc_cpu_s(proc.pid)
-            if proc.poll() is not None:
-                error = f"exited {proc.returncode} before draining the input"
-                break
-            if cpu is not None:
-                last_cpu = cpu
-            sample = (time.monotonic(), last_cpu, box_cpu()[0], time.process_time())
-            if start is None:
-                if watch.active():
-                    start = sample
-            elif watch.drained():
-                end = (time.monotonic(), proc_cpu_s(proc.pid) or last_cpu, box_cpu()[0],
-                       time.process_time())
-                break
-            time.sleep(0.1)
-        else:
-            error = f"not drained within {timeout:.0f} s"
-        if end is not None:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                error = "did not exit within 60 s of draining its input"
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        log.close()
-    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    res: dict[str, Any] = {
-        "exit_code": proc.returncode,
-        "process_cpu_s_total": round(ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime,
-                                     3),
-        "process_wall_s_total": round(time.monotonic() - t_launch, 2)}
-    if error is None and proc.returncode not in (0, None):
-        error = f"exited {proc.returncode}"
-    if error is not None:
-        tail = log_path.read_bytes()[-1500:].decode(errors="replace")
-        return {**res, "error": error, "log_tail": tail}
-    assert start is not None and end is not None
-    wall = end[0] - start[0]
-    cpu = end[1] - start[1]
-    busy = end[2] - start[2]
-    harness = end[3] - start[3]
-    res.update({"cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
-                "startup_s": round(start[0] - t_launch, 2),
-                "variant_cores": round(cpu / wall, 2) if wall > 0 else None,
-                "box_busy_cores": round(busy / wall, 2) if wall > 0 else None,
-                "other_processes_cores": round(max(0.0, busy - cpu - harness) / wall, 2)
-                if wall > 0 else None})
-    return res
 
 
 def check_events(values: list[tuple[int, bytes | None, bytes]],
@@ -500,371 +250,6 @@ def trajbus_events(bootstrap: str, prefix: str) -> tuple[list[tuple[int, bytes |
         except (KeyError, RuntimeError):
             counts[name] = 0
     return out, counts
-
-
-# -- the peers (each runs as `bench_worker.py --peer NAME ...` in its own process) -------------
-def load_schemas(path: str) -> dict[bytes, tuple[str, Any]]:
-    from fastavro import parse_schema
-
-    raw = json.loads(Path(path).read_text())
-    return {bytes.fromhex(fp): (s["kind"], parse_schema(json.loads(s["canonical"])))
-            for fp, s in raw.items()}
-
-
-class Reorder:
-    """The minimal per-episode reorder: next expected seq and a buffer of early events.
-    Older or already buffered seqs are duplicates (dropped). ``state(key)`` is the changelog
-    value: next seq, then the buffered events (length-prefixed)."""
-
-    __slots__ = ("eps",)
-
-    def __init__(self) -> None:
-        self.eps: dict[str, list[Any]] = {}
-
-    def add(self, key: str, seq: int, raw: bytes) -> list[bytes]:
-        st = self.eps.get(key)
-        if st is None:
-            st = self.eps[key] = [0, {}]
-        nxt, buf = st[0], st[1]
-        if seq < nxt or seq in buf:
-            return []
-        if seq > nxt:
-            buf[seq] = raw
-            return []
-        out = [raw]
-        nxt += 1
-        while buf:
-            early = buf.pop(nxt, None)
-            if early is None:
-                break
-            out.append(early)
-            nxt += 1
-        st[0] = nxt
-        return out
-
-    def state(self, key: str) -> bytes:
-        nxt, buf = self.eps[key]
-        parts = [struct.pack("<qI", nxt, len(buf))]
-        for seq in sorted(buf):
-            parts.append(struct.pack("<qI", seq, len(buf[seq])))
-            parts.append(buf[seq])
-        return b"".join(parts)
-
-
-def make_decoder(schemas: dict[bytes, tuple[str, Any]]) -> Callable[[bytes], dict[str, Any]]:
-    from fastavro import schemaless_reader
-
-    def decode(raw: bytes) -> dict[str, Any]:
-        _, schema = schemas[raw[2:HEADER_LEN]]
-        buf = io.BytesIO(raw)
-        buf.seek(HEADER_LEN)
-        rec: dict[str, Any] = schemaless_reader(buf, schema, None)  # type: ignore[assignment]
-        return rec
-
-    return decode
-
-
-def peer_confluent(a: argparse.Namespace) -> int:
-    from confluent_kafka import Consumer, KafkaError, Producer
-
-    decode = make_decoder(load_schemas(a.schemas))
-    txn = a.peer.endswith("-txn")
-    c = Consumer(_conf(a.bootstrap, **{
-        "group.id": a.group, "enable.auto.commit": False, "auto.offset.reset": "earliest",
-        "isolation.level": "read_committed"}))
-    pconf = _conf(a.bootstrap, **{"compression.type": a.compression, "linger.ms": 5,
-                                  "enable.idempotence": True, "acks": "all",
-                                  "queue.buffering.max.messages": 1_000_000})
-    if txn:
-        pconf["transactional.id"] = f"{a.group}.txn"
-    p = Producer(pconf)
-    if txn:
-        p.init_transactions(60)
-    c.subscribe(a.in_topics.split(","))
-    r = Reorder()
-    add, produce, out_topic = r.add, p.produce, a.out_topic
-    dirty: dict[str, int] = {}
-    in_txn = False
-    pending = False
-    last_commit = last_data = time.monotonic()
-    interval = a.txn_interval_ms / 1000
-
-    def commit() -> None:
-        nonlocal in_txn, pending
-        for key, part in dirty.items():
-            produce(a.state_topic, r.state(key), key=key.encode(), partition=part)
-        dirty.clear()
-        if txn:
-            p.send_offsets_to_transaction(c.position(c.assignment()),
-                                          c.consumer_group_metadata(), 60)
-            p.commit_transaction(60)
-            in_txn = False
-        else:
-            p.flush(60)  # outputs acknowledged before the offsets: at-least-once
-            c.commit(asynchronous=False)
-        pending = False
-
-    while True:
-        msgs = c.consume(2000, a.poll_ms / 1000)  # returns at 2000 records or the timeout
-        now = time.monotonic()
-        if msgs:
-            last_data = now
-            if txn and not in_txn:
-                p.begin_transaction()
-                in_txn = True
-            for msg in msgs:
-                err = msg.error()
-                if err is not None:
-                    if err.code() == KafkaError._PARTITION_EOF:
-                        continue
-                    raise RuntimeError(str(err))
-                if msg.key() == TICK_KEY:
-                    continue
-                raw = msg.value() or b""
-                h = decode(raw)["header"]
-                ep = h["episode"]
-                if ep is None:
-                    continue
-                key = f"{h['sandbox']}/{ep}"
-                released = add(key, h["seq"], raw)
-                if released:
-                    kb = key.encode()
-                    for ev in released:
-                        produce(out_topic, ev, key=kb)
-                dirty[key] = msg.partition() or 0
-            pending = True
-            p.poll(0)
-        elif now - last_data > a.idle:
-            break
-        if pending and now - last_commit >= interval:
-            commit()
-            last_commit = now
-    if pending:
-        commit()
-    c.close()
-    p.flush(60)
-    return 0
-
-
-async def peer_aiokafka(a: argparse.Namespace) -> int:
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-
-    decode = make_decoder(load_schemas(a.schemas))
-    txn = a.peer.endswith("-txn")
-    c = AIOKafkaConsumer(*a.in_topics.split(","), bootstrap_servers=a.bootstrap,
-                         group_id=a.group, enable_auto_commit=False,
-                         auto_offset_reset="earliest", isolation_level="read_committed",
-                         max_poll_records=2000)
-    p = AIOKafkaProducer(bootstrap_servers=a.bootstrap, compression_type=a.compression,
-                         linger_ms=5, enable_idempotence=True, acks="all",
-                         transactional_id=f"{a.group}.txn" if txn else None)
-    await p.start()
-    await c.start()
-    r = Reorder()
-    add, send, out_topic = r.add, p.send, a.out_topic
-    dirty: dict[str, int] = {}
-    offsets: dict[Any, int] = {}
-    in_txn = False
-    last_commit = last_data = time.monotonic()
-    interval = a.txn_interval_ms / 1000
-
-    async def commit() -> None:
-        nonlocal in_txn
-        for key, part in dirty.items():
-            await send(a.state_topic, r.state(key), key=key.encode(), partition=part)
-        dirty.clear()
-        if txn:
-            # the records first: a Kafka 4 broker keeps one pending transaction verification
-            # per producer, and offsets sent while records are in flight make aiokafka retry
-            # (the worker does the same since issue 17; RELIABILITY.md)
-            await p.flush()
-            await p.send_offsets_to_transaction(dict(offsets), a.group)
-            await p.commit_transaction()
-            in_txn = False
-        else:
-            await p.flush()
-            await c.commit(dict(offsets))
-        offsets.clear()
-
-    try:
-        while True:
-            batch = await c.getmany(timeout_ms=100, max_records=2000)
-            now = time.monotonic()
-            if batch:
-                last_data = now
-                if txn and not in_txn:
-                    await p.begin_transaction()
-                    in_txn = True
-                for tp, msgs in batch.items():
-                    for msg in msgs:
-                        if msg.key == TICK_KEY:
-                            continue
-                        raw = msg.value
-                        h = decode(raw)["header"]
-                        ep = h["episode"]
-                        if ep is None:
-                            continue
-                        key = f"{h['sandbox']}/{ep}"
-                        released = add(key, h["seq"], raw)
-                        if released:
-                            kb = key.encode()
-                            for ev in released:
-                                await send(out_topic, ev, key=kb)
-                        dirty[key] = tp.partition
-                    offsets[tp] = msgs[-1].offset + 1
-            elif now - last_data > a.idle:
-                break
-            if offsets and now - last_commit >= interval:
-                await commit()
-                last_commit = now
-        if offsets:
-            await commit()
-    finally:
-        await c.stop()
-        await p.stop()
-    return 0
-
-
-def peer_quix(a: argparse.Namespace) -> int:
-    from quixstreams import Application
-    from quixstreams.models.serializers import Deserializer, Serializer
-
-    decode = make_decoder(load_schemas(a.schemas))
-
-    class EventIn(Deserializer):
-        """Avro single-object -> (episode key, seq, raw) (None for ticks / no episode)."""
-
-        def __call__(self, value: bytes, ctx: Any) -> Any:
-            h = decode(value)["header"]
-            ep = h["episode"]
-            if ep is None:
-                return None
-            return (f"{h['sandbox']}/{ep}", h["seq"], value)
-
-    class EventOut(Serializer):
-        def __call__(self, value: Any, ctx: Any) -> bytes:
-            return bytes(value[1])
-
-    app = Application(
-        broker_address=a.bootstrap, consumer_group=a.group, auto_offset_reset="earliest",
-        processing_guarantee="exactly-once", commit_interval=a.quix_commit_interval,
-        state_dir=tempfile.mkdtemp(prefix="bench-worker-quix-"), use_changelog_topics=True,
-        producer_extra_config={"compression.type": a.compression, "linger.ms": 5},
-        consumer_extra_config={"isolation.level": "read_committed"},
-        loglevel="WARNING")
-    topics = [app.topic(t, value_deserializer=EventIn(), key_deserializer="bytes")
-              for t in a.in_topics.split(",")]
-    out = app.topic(a.out_topic, value_serializer=EventOut(), key_serializer="bytes")
-
-    def reorder(value: Any, state: Any) -> list[tuple[bytes, bytes]]:
-        # state is scoped to the message key (the sandbox); one entry per episode:
-        # [next seq, {seq: event as latin-1 text}] (state values are JSON)
-        key, seq, raw = value
-        st = state.get(key)
-        if st is None:
-            st = [0, {}]
-        nxt, buf = st
-        s = str(seq)
-        if seq < nxt or s in buf:
-            return []
-        if seq > nxt:
-            buf[s] = raw.decode("latin-1")
-            state.set(key, st)
-            return []
-        kb = key.encode()
-        released = [(kb, raw)]
-        nxt += 1
-        while buf:
-            early = buf.pop(str(nxt), None)
-            if early is None:
-                break
-            released.append((kb, early.encode("latin-1")))
-            nxt += 1
-        st[0] = nxt
-        state.set(key, st)
-        return released
-
-    for topic in topics:
-        sdf = app.dataframe(topic)
-        sdf = sdf.filter(lambda v: v is not None)
-        sdf = sdf.apply(reorder, stateful=True, expand=True)
-        sdf.to_topic(out, key=lambda v: v[0])
-    app.run(timeout=a.idle, collect=False)
-    return 0
-
-
-# -- the harness -------------------------------------------------------------------------------
-def quix_python(a: argparse.Namespace, notes: list[str]) -> str | None:
-    """The interpreter of the Quix Streams virtualenv (created on first use), or None."""
-    check = ["-c", "import quixstreams, fastavro; print(quixstreams.__version__)"]
-    if a.quix_python:
-        py = a.quix_python
-    else:
-        py = str(QUIX_VENV / "bin" / "python")
-        if not Path(py).exists() or subprocess.run([py, *check], capture_output=True).returncode:
-            pin = quix_pin()
-            print(f"[worker] creating {QUIX_VENV} with {pin} (first run only)", flush=True)
-            try:
-                subprocess.run([sys.executable, "-m", "venv", str(QUIX_VENV)], check=True,
-                               capture_output=True, timeout=300)
-                subprocess.run([py, "-m", "pip", "install", "-q", pin, "fastavro"], check=True,
-                               capture_output=True, timeout=600)
-            except (subprocess.SubprocessError, OSError) as exc:
-                err = getattr(exc, "stderr", b"") or b""
-                notes.append(f"quix-eos skipped: installing {pin} into {QUIX_VENV} failed: "
-                             f"{exc} {err.decode(errors='replace')[-300:]}")
-                return None
-    got = subprocess.run([py, *check], capture_output=True, text=True)
-    if got.returncode:
-        notes.append(f"quix-eos skipped: {py} cannot import quixstreams: {got.stderr[-300:]}")
-        return None
-    notes.append(f"quix-eos: Quix Streams {got.stdout.strip()} from {py}")
-    return py
-
-
-def export_ref(ref: str) -> Path:
-    """``git archive`` of ``ref`` laid out as the installed package (pyproject's package-dir:
-    ``bus/`` -> ``trajbus/bus`` ...), in a temporary directory to put first on PYTHONPATH."""
-    import shutil
-    import tarfile
-    import tomllib
-
-    out = Path(tempfile.mkdtemp(prefix="bench-worker-ref-"))
-    src, pkg = out / "src", out / "pkg"
-    blob = subprocess.run(["git", "archive", "--format=tar", ref], cwd=ROOT, check=True,
-                          capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-        tar.extractall(src, filter="data")
-    dirs = tomllib.loads((src / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "package-dir"]
-    for name, folder in sorted(dirs.items()):
-        shutil.copytree(src / folder, pkg / name.replace(".", "/"), dirs_exist_ok=True)
-    return pkg
-
-
-def git_describe(ref: str) -> str:
-    got = subprocess.run(["git", "log", "-1", "--format=%h %cd", "--date=iso", ref], cwd=ROOT,
-                         capture_output=True, text=True)
-    return got.stdout.strip() or ref
-
-
-def git_dirty() -> bool:
-    got = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
-                          "consumers", "bus", "schemas", "trajbus"], cwd=ROOT,
-                         capture_output=True, text=True)
-    return bool(got.stdout.strip())
-
-
-def quix_pin() -> str:
-    """The quixstreams requirement of pyproject.toml's bench-quix extra."""
-    import tomllib
-
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]
-    for req in extras.get("bench-quix", []):
-        if req.startswith("quixstreams"):
-            return str(req)
-    return "quixstreams"
 
 
 def main_bench(a: argparse.Namespace) -> dict[str, Any]:
@@ -959,7 +344,7 @@ def run_variant(a: argparse.Namespace, v: str, r: int, base: str, src: str,
             env["PYTHONPATH"] = str(tree)
         cmd = [sys.executable, "-m", "trajbus", "worker", "--processors", "reorder",
                "--worker-id", "bench", "--until-idle", str(a.trajbus_idle), "-v"]
-        watch = GroupWatch(a.bootstrap, f"{prefix}.reorder", f"{prefix}.sandbox.events", target)
+        watch = DrainWatch(a.bootstrap, f"{prefix}.reorder", f"{prefix}.sandbox.events", target)
         res = run_measured(cmd, env, watch, a.timeout, log_path, cwd=tree or ROOT)
         if "error" in res:
             return {**res, "valid": False}
@@ -981,7 +366,7 @@ def run_variant(a: argparse.Namespace, v: str, r: int, base: str, src: str,
                str(schemas_file), "--compression", compression, "--idle", str(a.idle),
                "--txn-interval-ms", str(a.txn_interval_ms),
                "--quix-commit-interval", str(a.quix_commit_interval)]
-        watch = GroupWatch(a.bootstrap, name, f"{src}.sandbox.events", target_src)
+        watch = DrainWatch(a.bootstrap, name, f"{src}.sandbox.events", target_src)
         res = run_measured(cmd, None, watch, a.timeout, log_path)
         if "error" in res:
             return {**res, "valid": False}
@@ -994,6 +379,18 @@ def run_variant(a: argparse.Namespace, v: str, r: int, base: str, src: str,
     res["distinct_per_cpu_s"] = round(len(expected) / cpu) if cpu > 0 else None
     res["events_per_wall_s"] = round(n_records / res["wall_s"]) if res["wall_s"] > 0 else None
     return res
+
+
+def round_ratios(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, Any]:
+    """events per CPU-second of ``runs`` / ``base``, round by round (valid pairs only), and
+    their median."""
+    per_round = [x["events_per_cpu_s"] / b["events_per_cpu_s"]
+                 for x, b in zip(runs, base, strict=False)
+                 if x.get("valid") and b.get("valid") and x.get("events_per_cpu_s")
+                 and b.get("events_per_cpu_s")]
+    m = median(per_round)
+    return {"median_of_round_ratios": None if m is None else round(m, 3),
+            "per_round": [round(x, 3) for x in per_round]}
 
 
 def summarise(a: argparse.Namespace, rounds: dict[str, list[dict[str, Any]]],
@@ -1023,24 +420,10 @@ def summarise(a: argparse.Namespace, rounds: dict[str, list[dict[str, Any]]],
     for v, runs in rounds.items():
         if v == BASELINE or not base:
             continue
-        per_round = [x["events_per_cpu_s"] / b["events_per_cpu_s"]
-                     for x, b in zip(runs, base, strict=False)
-                     if x.get("valid") and b.get("valid") and x.get("events_per_cpu_s")
-                     and b.get("events_per_cpu_s")]
-        m = median(per_round)
-        ratios[f"{v} / {BASELINE}"] = {
-            "median_of_round_ratios": None if m is None else round(m, 3),
-            "per_round": [round(x, 3) for x in per_round]}
+        ratios[f"{v} / {BASELINE}"] = round_ratios(runs, base)
     for v, runs in rounds.items():  # the working tree against another ref, round by round
         if v.startswith("trajbus@") and "trajbus" in rounds:
-            per_round = [x["events_per_cpu_s"] / y["events_per_cpu_s"]
-                         for x, y in zip(rounds["trajbus"], runs, strict=False)
-                         if x.get("valid") and y.get("valid") and x.get("events_per_cpu_s")
-                         and y.get("events_per_cpu_s")]
-            m = median(per_round)
-            ratios[f"trajbus / {v}"] = {
-                "median_of_round_ratios": None if m is None else round(m, 3),
-                "per_round": [round(x, 3) for x in per_round]}
+            ratios[f"trajbus / {v}"] = round_ratios(rounds["trajbus"], runs)
     goal = ratios.get(f"trajbus / {BASELINE}", {}).get("median_of_round_ratios")
     targets = [{"measure": "worker / minimal confluent-kafka transactional loop, events per "
                            "CPU-second draining a backlog (median of interleaved rounds)",

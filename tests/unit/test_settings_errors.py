@@ -164,7 +164,7 @@ def test_every_trajbus_variable_the_repo_uses_is_known() -> None:
     names, open_prefixes = setting_variables()
     used: set[str] = set()
     for path in [REPO / "README.md", REPO / "Makefile", *(REPO / ".ci").glob("*"),
-                 *(REPO / "infra").rglob("*.yml"), *(REPO / "bench").glob("*.py"),
+                 *(REPO / "infra").rglob("*.yml"), *(REPO / "bench").rglob("*.py"),
                  *(REPO / "tests").glob("*.py"), *(REPO / "trajbus").glob("*.py")]:
         if path.is_file():
             used |= set(re.findall(r"\bTRAJBUS_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
