@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -67,13 +68,48 @@ def test_every_trainer_example_runs_and_prints_what_the_readme_shows(
         asyncio.run(publish_replay(settings, LATE_TASK,
                                    make_episodes(1, seed=23, task=LATE_TASK)))
 
-    mismatches = []
-    for snippet in SNIPPETS:
+    def run(snippet: Snippet) -> str | None:
         code = re.sub(r'"trainer-', f'"{unique_name}-trainer-', snippet.code)
         runnable = Snippet(snippet.lang, code, snippet.output, snippet.line)
         hook = late_fleet if f'["{LATE_TASK}"]' in code else None
         out = _run(runnable, env, tmp_path, hook)
-        if out != snippet.output:
-            mismatches.append(f"README.md line {snippet.line}: printed\n{out}\nREADME shows\n"
-                              f"{snippet.output}")
+        if out == snippet.output:
+            return None
+        return f"README.md line {snippet.line}: printed\n{out}\nREADME shows\n{snippet.output}"
+
+    def run_chain(chain: list[Snippet]) -> list[str]:
+        return [m for m in map(run, chain) if m is not None]
+
+    # The examples before the one that waits for the late task's fleet run side by side (each
+    # mostly waits out its idle timeout), those sharing a consumer group in the README's order;
+    # from that one on, in order (what they print depends on the late task existing).
+    late = next(i for i, s in enumerate(SNIPPETS) if f'["{LATE_TASK}"]' in s.code)
+    with ThreadPoolExecutor(max_workers=late) as pool:
+        results = list(pool.map(run_chain, _chains_by_group(SNIPPETS[:late])))
+    mismatches = [m for chain in results for m in chain] + run_chain(SNIPPETS[late:])
     assert mismatches == [], "\n".join(mismatches)
+
+
+def _chains_by_group(examples: list[Snippet]) -> list[list[Snippet]]:
+    """The examples in chains: two that name the same ``trainer-*`` group are in one chain, in
+    the README's order (the later one may read the earlier one's commits)."""
+    chains: list[tuple[set[str], list[Snippet]]] = []
+    for snippet in examples:
+        groups = set(re.findall(r'"(trainer-[\w-]*)"', snippet.code))
+        joined = [c for c in chains if c[0] & groups]
+        for c in joined:
+            chains.remove(c)
+        merged_groups = groups.union(*(c[0] for c in joined))
+        merged = [*sorted((s for c in joined for s in c[1]), key=lambda s: s.line), snippet]
+        chains.append((merged_groups, merged))
+    return [c[1] for c in chains]
+
+
+def test_examples_sharing_a_group_run_in_one_chain_in_order() -> None:
+    late = next(i for i, s in enumerate(SNIPPETS) if f'["{LATE_TASK}"]' in s.code)
+    chains = _chains_by_group(SNIPPETS[:late])
+    resume = next(s for s in SNIPPETS if '"resume"' in s.code)
+    chain = next(c for c in chains if resume in c)
+    assert [s.line for s in chain] == sorted(s.line for s in chain)
+    assert chain.index(resume) > 0  # after the example whose commits it resumes from
+    assert sum(len(c) for c in chains) == late
