@@ -22,11 +22,8 @@ from aiokafka.errors import (
 from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import Array, Int16, Int32, Schema, String
 
-from trajbus.bus.kafka import (
-    BrokerUnavailableError,
-    admin_client,
-    retry_while_broker_restarts,
-)
+from trajbus.bus.clients import new_admin
+from trajbus.bus.kafka import BrokerUnavailableError, retry_while_broker_restarts
 from trajbus.bus.producer import get_producer
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics, TopicSpec
@@ -97,7 +94,7 @@ async def ensure_topics(
 async def _ensure_topics_once(settings: Settings, specs: list[TopicSpec], answered: list[bool],
                               known_broker: bool = False
                               ) -> tuple[list[str], list[str]]:
-    admin = admin_client(settings.kafka, "admin")
+    admin = new_admin(settings.kafka, "admin")
     try:
         await admin.start()
         answered.append(True)
@@ -254,7 +251,7 @@ async def leave_group_as_static_member(settings: Settings, group_id: str, instan
     does not know (never joined, or already expired) is not an error."""
     from aiokafka.errors import for_code
 
-    admin = admin_client(settings.kafka, "admin")
+    admin = new_admin(settings.kafka, "admin")
     async with asyncio.timeout(timeout_s):
         await admin.start()
         try:

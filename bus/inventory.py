@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from trajbus.bus.clients import new_consumer
+from trajbus.bus.clients import new_admin, new_consumer
 from trajbus.bus.closing import close_client
 from trajbus.bus.errors import NotFoundError, UserError, existing
-from trajbus.bus.kafka import admin_client
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
 
@@ -62,7 +61,7 @@ class GroupInfo:
 
 
 def _admin(settings: Settings, what: str) -> AIOKafkaAdminClient:
-    return admin_client(settings.kafka, what)
+    return new_admin(settings.kafka, what)
 
 
 async def topic_names(settings: Settings) -> list[str]:

@@ -109,7 +109,7 @@ async def check_broker(k: KafkaSettings) -> list[str]:
     if "," in k.bootstrap_servers:
         with contextlib.suppress(Exception):  # the check below says what is wrong
             await order_bootstrap(k)
-    admin = admin_client(k, "check")
+    admin = new_admin(k, "check")
     budget = max(1.0, k.connect_timeout_s - (time.monotonic() - started))
     try:
         await asyncio.wait_for(admin.start(), timeout=budget)

@@ -21,10 +21,10 @@ from typing import Any, Literal
 
 from aiokafka import TopicPartition
 
-from trajbus.bus.clients import new_consumer
+from trajbus.bus.clients import new_admin, new_consumer
 from trajbus.bus.closing import close_client
 from trajbus.bus.errors import NotFoundError, existing
-from trajbus.bus.kafka import admin_client, check_broker
+from trajbus.bus.kafka import check_broker
 from trajbus.bus.settings import Settings
 from trajbus.bus.topics import Topics
 from trajbus.consumers.engine.runner import InRecord
@@ -68,7 +68,7 @@ async def topic_partitions(settings: Settings, topics: Sequence[str] | None = No
 async def group_offsets(settings: Settings, group: str) -> dict[TopicPartition, int]:
     """The committed offsets of a consumer group ({} when it has none)."""
 
-    admin = admin_client(settings.kafka, "admin")
+    admin = new_admin(settings.kafka, "admin")
     await admin.start()
     try:
         offsets = await _retrying(lambda: admin.list_consumer_group_offsets(group), group)

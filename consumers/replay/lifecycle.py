@@ -20,9 +20,9 @@ from typing import Self
 from aiokafka.errors import CommitFailedError, IllegalStateError
 
 from trajbus.bus import inventory
-from trajbus.bus.clients import new_consumer
+from trajbus.bus.clients import new_admin, new_consumer
 from trajbus.bus.closing import close_client
-from trajbus.bus.kafka import admin_client, check_broker
+from trajbus.bus.kafka import check_broker
 from trajbus.consumers.replay import notices, ratelimit
 from trajbus.consumers.replay.rebalance import _GroupRebalancing, _StartAt
 from trajbus.consumers.replay.state import ClientState
@@ -77,7 +77,7 @@ class LifecycleMixin(ClientState):
             return consumer is None or bool(consumer.subscription())
 
         async def members() -> list[dict[str, str]]:
-            admin = admin_client(self.settings.kafka, "admin")
+            admin = new_admin(self.settings.kafka, "admin")
             await admin.start()
             try:
                 return notices.members_of(
@@ -90,7 +90,7 @@ class LifecycleMixin(ClientState):
                                          self._committed_at_start, ()) is None:
                 return
             groups: list[str] = []
-            admin = admin_client(self.settings.kafka, "admin")
+            admin = new_admin(self.settings.kafka, "admin")
             try:
                 await admin.start()
                 groups = [str(g[0]) for g in await admin.list_consumer_groups()]

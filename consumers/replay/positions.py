@@ -19,9 +19,8 @@ from aiokafka import TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
 from trajbus.bus import inventory
-from trajbus.bus.clients import new_consumer
+from trajbus.bus.clients import new_admin, new_consumer
 from trajbus.bus.closing import close_client
-from trajbus.bus.kafka import admin_client
 from trajbus.bus.positions import resolve_offsets
 from trajbus.consumers.replay.progress import _PartitionProgress
 from trajbus.consumers.replay.state import _REBALANCE_RETRY_S, ClientState
@@ -178,7 +177,7 @@ class PositionsMixin(ClientState):
         """The group's committed offsets with their metadata (acknowledged-beyond offsets)."""
         from aiokafka.errors import KafkaError
 
-        admin = admin_client(self.settings.kafka, "admin")
+        admin = new_admin(self.settings.kafka, "admin")
         await admin.start()
         try:
             # the coordinator is briefly unavailable on a new cluster, and loading the
