@@ -38,6 +38,8 @@ _LAYERS = ("unit", "kafka", "faults")
 
 
 def _layer(item: pytest.Item) -> str | None:
+    if not item.path.is_relative_to(TESTS):
+        return None
     parts = item.path.relative_to(TESTS).parts
     return parts[0] if len(parts) > 1 and parts[0] in _LAYERS else None
 
