@@ -100,6 +100,15 @@ _SILENT_FOR_S = 60.0
 _silent_nodes: dict[tuple[str, int], float] = {}
 
 
+def ask_last(address: str) -> None:
+    """Requests that any node may answer go to the node at ``host:port`` last for a while:
+    it did not answer a request in time (the start-up check's bootstrap, or a request of
+    :class:`ClusterAdminClient`)."""
+    host, _, port = address.strip().rpartition(":")
+    if host and port.isdigit():
+        _silent_nodes[(host, int(port))] = time.monotonic() + _SILENT_FOR_S
+
+
 class ClusterAdminClient(AIOKafkaAdminClient):
     """aiokafka's admin client, for a cluster with a node down: a request that may go to any
     node goes to one that is connected or answers, not to a random one of the metadata (a

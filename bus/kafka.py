@@ -25,6 +25,7 @@ from trajbus.bus.clients import (
     _BOOTSTRAP_ORDER,
     ClusterAdminClient,
     admin_client,
+    ask_last,
     connection_options,
     new_admin,
 )
@@ -55,7 +56,8 @@ async def order_bootstrap(k: KafkaSettings) -> list[str]:
     """Of several bootstrap hosts, those that answer (each asked on its own, at once; the
     first answer and those within 0.5 s after it), fastest first. The process's clients then
     bootstrap from them first (``connection_options``). Returns [] if none answered within
-    ``connect_timeout_s``; one host is returned as is, unasked."""
+    ``connect_timeout_s``; one host is returned as is, unasked. The hosts that did not answer
+    are asked last by :class:`ClusterAdminClient` for the next minute."""
     hosts = [h.strip() for h in k.bootstrap_servers.split(",") if h.strip()]
     if len(hosts) < 2:
         return hosts
@@ -86,6 +88,9 @@ async def order_bootstrap(k: KafkaSettings) -> list[str]:
             if not t.done():
                 t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    for host in hosts:
+        if host not in answered:
+            ask_last(host)  # a frozen node accepts connections: the admin asks it last
     if answered:
         _BOOTSTRAP_ORDER[k.bootstrap_servers] = ",".join(
             answered + [h for h in hosts if h not in answered])
