@@ -2,8 +2,10 @@
 runs verbatim, in a fresh Python process (``spark.jars`` is read when the JVM starts), against
 moto's S3 server on loopback (path-style, dummy credentials) with only the jars the project
 fetches -- ``hadoop-aws`` at PySpark's Hadoop version and the AWS SDK modules S3A loads, not
-the SDK's all-services bundle. Every event is read once although each was received twice, and
-the filter by sandbox returns exactly that sandbox's events."""
+the SDK's all-services bundle. Every event is read once although each was received twice and
+an hour was compacted (its replaced objects still there for the grace period), ``date`` is a
+DATE, ``hour`` an INTEGER and ``event_time`` a timestamp, and the filter by sandbox returns
+exactly that sandbox's events. (One Spark JVM for all of it: starting one costs ~40 s of CPU.)"""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pytest
 from support import REPO, ci_enabled
 from test_archive_readme import blocks, build
 
+from trajbus.archive.maintenance import compact
 from trajbus.archive.storage import open_store
 from trajbus.infra import s3a
 from trajbus.infra.s3a import S3ASetupError, ensure_s3a_jars, s3a_jars, spark_hadoop_version
@@ -66,7 +69,9 @@ def test_readme_spark_snippet_reads_the_s3_snapshot_over_s3a_each_event_once(
     bucket = f"spark-{uuid.uuid4().hex[:8]}"
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=bucket)
     url = f"s3://{bucket}/trajbus/archive"
-    evs: list[Event] = build(open_store(url, s3_server), tmp_path)
+    store = open_store(url, s3_server)
+    evs: list[Event] = build(store, tmp_path)
+    assert compact(store, min_age_ms=0, grace_ms=3_600_000).outputs  # replaced objects remain
     env = {**os.environ, "TRAJBUS_ARCHIVE__URL": url,
            "TRAJBUS_ARCHIVE__S3_ENDPOINT_URL": s3_server,
            "SPARK_LOCAL_IP": "127.0.0.1"}  # the driver binds to loopback only
@@ -76,15 +81,18 @@ def test_readme_spark_snippet_reads_the_s3_snapshot_over_s3a_each_event_once(
         f"'s3a://{bucket}/spark-copy')\n"
         f"copied = spark.read.parquet('s3a://{bucket}/spark-copy').count()\n"
         "import json\n"
-        "print('RESULT ' + json.dumps({'rows': rows, 'copied': copied, "
-        "'sb': sorted([r.episode, r.seq] for r in sb)}))\n"
+        "keys = events.select('sandbox', 'episode', 'seq').distinct().count()\n"
+        "print('RESULT ' + json.dumps({'rows': rows, 'copied': copied, 'keys': keys, "
+        "'types': dict(events.dtypes), 'sb': sorted([r.episode, r.seq] for r in sb)}))\n"
         "spark.stop()\n")
     res = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=240, check=False)
     assert res.returncode == 0, res.stderr[-4000:]
     (line,) = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     got = json.loads(line.removeprefix("RESULT "))
-    assert got["rows"] == len(evs) == got["copied"]
+    assert got["rows"] == len(evs) == got["copied"] == got["keys"]
+    types = got["types"]
+    assert (types["date"], types["hour"], types["event_time"]) == ("date", "int", "timestamp")
     assert got["sb"] == sorted([e.header.episode, e.header.seq] for e in evs
                                if e.header.sandbox == "SB")
     assert got["sb"]
