@@ -80,9 +80,12 @@ async def broker_ready(settings: Settings, timeout: float = 180.0) -> None:
 
 
 @contextlib.contextmanager
-def cpu_hogs(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """``n`` processes spinning on a core each, for the duration."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+def cpu_hogs(n: int, niceness: int = 0) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``n`` processes spinning on a core each, for the duration, at ``niceness`` (19: they
+    take only the CPU that nothing else wants, so the cores stay saturated without taking
+    turns from the other processes on the box)."""
+    spin = f"import os\nos.nice({niceness})\nwhile True: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
     try:
         yield procs
     finally:
@@ -90,6 +93,14 @@ def cpu_hogs(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
             p.kill()
         for p in procs:
             p.wait(timeout=10)
+
+
+def hog_niceness_beside_other_tests() -> int:
+    """The niceness of a CI test's hogs: 19 when other pytest-xdist workers share the machine
+    (`make test`: their brokers, workers and clients already keep more runnable processes
+    than cores, so the hogs only fill what they leave idle), else 0 (a test run alone: the
+    hogs are the competition)."""
+    return 19 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else 0
 
 
 async def soak_run(settings: Settings, broker: LocalBroker | LocalCluster, run: int,
@@ -143,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--episodes", type=int, default=3, help="episodes per sandbox (default 3)")
     ap.add_argument("--hogs", type=int, default=os.cpu_count() or 2,
                     help="busy processes competing for the CPU (default: one per core)")
+    ap.add_argument("--hog-niceness", type=int, default=0, metavar="N",
+                    help="the hogs' niceness (default 0; 19: they only fill idle CPU)")
     ap.add_argument("--outage-s", type=float, default=0.0,
                     help="hold the broker down at least this long in a mid-run restart "
                          "(default 0: as long as a restart takes); longer than the 30 s drain "
@@ -181,7 +194,8 @@ async def _soak(args: argparse.Namespace) -> int:
     where = (f"a {args.nodes}-node cluster on {broker.bootstrap}, node fault {args.fault}"
              if cluster else f"broker on {broker.bootstrap}")
     print(f"[soak] seed {seed0}: {args.runs} runs of {args.sandboxes} sandboxes x "
-          f"{args.episodes} episodes, {args.hogs} CPU hogs, {where}", flush=True)
+          f"{args.episodes} episodes, {args.hogs} CPU hogs (nice {args.hog_niceness}), "
+          f"{where}", flush=True)
     broker.start(timeout=180)
     # the in-process clients (fleet, trainer, archiver) give a loaded broker 30 s, not 10 s
     settings = Settings(kafka=KafkaSettings(bootstrap_servers=broker.bootstrap,
@@ -192,7 +206,7 @@ async def _soak(args: argparse.Namespace) -> int:
                                                 spool_dir=str(work / "spool")))
     results: list[RunResult] = []
     try:
-        with cpu_hogs(args.hogs):
+        with cpu_hogs(args.hogs, args.hog_niceness):
             for i in range(args.runs):
                 restart_mid_run = cluster or i % 2 == 0
                 restarted_before = False

@@ -1,6 +1,7 @@
 """The cluster's short form, in CI: one pipeline run on the 3-node cluster with the leader of
 the busiest input partition SIGKILLed mid-run (and started again 10 s later), the worker
-SIGKILLed too, both cores saturated. The run must pass the demo's exact check (trainer view
+SIGKILLed too, both cores saturated (two hogs; beside other pytest-xdist workers they only fill
+idle CPU). The run must pass the demo's exact check (trainer view
 equal to what the emitters acknowledged, replay topics raw without duplicates or false gaps,
 every planted loop caught and nothing else, DRAIN then RECYCLE per sandbox, the archive once
 per event); and `trajbus demo --nodes 3` started while a node is down. These long runs share a
@@ -46,7 +47,7 @@ def test_a_run_survives_the_sigkill_of_its_busiest_partitions_leader(
                                    work_root=tmp_path / "runs", restart_mid_run=True, rng=rng,
                                    node_fault=FAULTS["leader"])
 
-    with soak.cpu_hogs(2):
+    with soak.cpu_hogs(2, soak.hog_niceness_beside_other_tests()):
         result = asyncio.run(run())
     faults = " ".join(result.faults)
     assert "leader of the busiest input partition" in faults and "SIGKILLed" in faults, faults
