@@ -306,6 +306,7 @@ OTHER_VARIABLES = frozenset({
     "TRAJBUS_DEBUG",  # --debug for every command (trajbus/cli.py)
     "TRAJBUS_WORKER_ID",  # the default of `trajbus worker --worker-id`
     "TRAJBUS_KAFKA_PORT", "TRAJBUS_KAFKA_DATA_DIR", "TRAJBUS_KAFKA_LIB_DIR",  # `trajbus kafka`
+    "TRAJBUS_KAFKA_JVM_OPTIONS",
     "TRAJBUS_CHROMIUM",  # the browser of `replay waterfall` (consumers/operator/waterfall.py)
     # the test suite's and `make soak`'s knobs (tests/)
     "TRAJBUS_TEST_BOOTSTRAP", "TRAJBUS_SCALE_TEST", "TRAJBUS_SCALE_EPISODES",

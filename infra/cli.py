@@ -24,7 +24,8 @@ from trajbus.infra.kafka_runtime import KafkaSetupError, ensure_jars, kafka_vers
 _ENV_HELP = (
     "Environment: TRAJBUS_KAFKA_PORT and TRAJBUS_KAFKA_DATA_DIR override the default port "
     f"({DEFAULT_PORT}) and data directory ({DEFAULT_DATA_DIR} under the current directory); "
-    "TRAJBUS_KAFKA_LIB_DIR uses an existing directory of Kafka jars instead of fetching them."
+    "TRAJBUS_KAFKA_LIB_DIR uses an existing directory of Kafka jars instead of fetching them; "
+    "TRAJBUS_KAFKA_JVM_OPTIONS replaces the JVM's tuning (default: G1, 20 ms pauses)."
 )
 
 

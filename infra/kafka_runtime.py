@@ -105,16 +105,28 @@ def ensure_jars(lib_dir: Path | None = None, *, force: bool = False, quiet: bool
     return fetch_jars(_kafka_jars(), Path(lib_dir), mvn=mvn, force=force, quiet=quiet)
 
 
+#: JVM options that replace the default tuning (G1 with short pauses) of the local brokers
+#: and their storage format, split on whitespace. The test suite sets the lean
+#: :data:`LEAN_JVM_OPTIONS` for its many short-lived brokers.
+JVM_OPTIONS_ENV = "TRAJBUS_KAFKA_JVM_OPTIONS"
+DEFAULT_JVM_OPTIONS = ("-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20")
+#: The client JIT only and the serial collector: about half the CPU of the default for a broker
+#: that lives minutes (start-up, short bursts; RELIABILITY.md, "Test suite time"), but slower
+#: once hot, so not for benchmarks or long runs.
+LEAN_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+
+
 def java_command(lib_dir: Path, main: str, *args: str, heap: str, logs_dir: Path) -> list[str]:
     """The command line that runs Kafka's ``main`` class from the jars in ``lib_dir`` with
-    ``args``: at most ``heap`` of heap, G1 with short pauses, exit on OutOfMemoryError, Kafka's
-    own log (log4j2, ``infra/kafka/log4j2.yaml``) under ``logs_dir``."""
+    ``args``: at most ``heap`` of heap, G1 with short pauses (or the options of
+    ``TRAJBUS_KAFKA_JVM_OPTIONS``), exit on OutOfMemoryError, Kafka's own log (log4j2,
+    ``infra/kafka/log4j2.yaml``) under ``logs_dir``."""
+    tuning = os.environ.get(JVM_OPTIONS_ENV, "").split() or list(DEFAULT_JVM_OPTIONS)
     return [
         require_java(),
         f"-Xmx{heap}",
         "-Xms128m",
-        "-XX:+UseG1GC",
-        "-XX:MaxGCPauseMillis=20",
+        *tuning,
         "-XX:+ExitOnOutOfMemoryError",
         "-Djava.awt.headless=true",
         f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",

@@ -10,6 +10,7 @@ S3 killed, paused or cut off). Helpers the layers share stay in ``tests/`` itsel
   ``kafka_broker.broker`` is None and crash tests skip). When no broker can run here (no
   Java, Maven or jars) the broker tests skip locally, but FAIL when ``CI`` is set to a true
   value (``CI=true``, ``CI=1``; ``.ci/run`` sets it): CI must not go green without them.
+- Brokers the tests start run the lean JVM (``TRAJBUS_KAFKA_JVM_OPTIONS``, unless set).
 - ``unique_name`` (function): a fresh topic/group name, ``t-<test name>-<8 hex>``.
 - ``s3_server`` (session): moto's S3-compatible server on 127.0.0.1; yields the endpoint URL
   and sets dummy AWS credentials for the session (restored afterwards).
@@ -29,6 +30,11 @@ from support import broker_unavailable
 
 from trajbus.infra.broker import KafkaSetupError, LocalBroker, free_port
 from trajbus.infra.cluster import LocalCluster
+from trajbus.infra.kafka_runtime import JVM_OPTIONS_ENV, LEAN_JVM_OPTIONS
+
+# The suite starts dozens of brokers that each live seconds to minutes: the lean JVM (the
+# client JIT, the serial collector) halves their CPU on 2 cores; the subprocesses inherit it.
+os.environ.setdefault(JVM_OPTIONS_ENV, LEAN_JVM_OPTIONS)
 
 TESTS = Path(__file__).resolve().parent
 _BROKER_FIXTURES = {"kafka_broker", "kafka_cluster", "restore_cluster"}
