@@ -7,12 +7,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
-# Four pytest workers (pytest-xdist), each with its own broker: the broker and fault tests mostly
-# wait on the network, on Kafka's timers and on restarts, so four of them share 2 cores well
-# (RELIABILITY.md, "Test suite time"). The slowest layer is collected first (pyproject's
-# testpaths) so the long tests start early. Tests on the 3-node cluster stay together on one
-# worker (xdist_group). TEST_WORKERS=0 runs in one process.
-TEST_WORKERS ?= 4
+# Six pytest workers (pytest-xdist), each with its own broker: the broker and fault tests mostly
+# wait on the network, on Kafka's timers and on restarts, so six of them share 2 cores (the test
+# brokers run a lean JVM, tests/conftest.py; RELIABILITY.md, "Test suite time"). The slowest
+# layer is collected first (pyproject's testpaths) so the long tests start early. Tests on the
+# 3-node cluster stay together on one worker per xdist_group. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 6
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 
 .PHONY: demo test test-fast test-unit test-kafka test-faults lint bench soak setup jars spark-jars browser promtool clean help
