@@ -106,7 +106,11 @@ def ask_last(address: str) -> None:
     :class:`ClusterAdminClient`)."""
     host, _, port = address.strip().rpartition(":")
     if host and port.isdigit():
-        _silent_nodes[(host, int(port))] = time.monotonic() + _SILENT_FOR_S
+        _ask_last_for_a_while((host, int(port)))
+
+
+def _ask_last_for_a_while(node: tuple[str, int]) -> None:
+    _silent_nodes[node] = time.monotonic() + _SILENT_FOR_S
 
 
 class ClusterAdminClient(AIOKafkaAdminClient):
@@ -144,7 +148,7 @@ class ClusterAdminClient(AIOKafkaAdminClient):
                 _silent_nodes.pop(address(node), None)
                 return answer
             except TimeoutError as exc:
-                _silent_nodes[address(node)] = time.monotonic() + _SILENT_FOR_S
+                _ask_last_for_a_while(address(node))
                 last = exc  # that node is frozen or overloaded: the next one
             except (KafkaConnectionError, NodeNotReadyError, RequestTimedOutError) as exc:
                 last = exc  # that node went away: the next one
