@@ -76,7 +76,7 @@ from trajbus.infra.kafka_runtime import (
     require_java,
 )
 from trajbus.infra.ports import DEFAULT_HOST, ephemeral_ports, free_port, port_free
-from trajbus.infra.processes import file_tail, pid_alive, pid_cmdline
+from trajbus.infra.processes import file_tail, freeze, pid_alive, pid_cmdline
 
 __all__ = [
     "DEFAULT_DATA_DIR",
@@ -466,11 +466,14 @@ class LocalBroker:
 
     def pause(self) -> None:
         """SIGSTOP the broker: it holds its connections and answers nothing (a long GC pause,
-        a frozen VM) until :meth:`resume`."""
+        a frozen VM) until :meth:`resume`. Returns once every thread of it has stopped."""
         pid = self.pid()
         if pid is None:
             raise BrokerError(f"no broker running for {self.data_dir}")
-        os.kill(pid, signal.SIGSTOP)
+        try:
+            freeze(pid)
+        except TimeoutError as exc:
+            raise BrokerError(f"broker pid {pid} did not stop: {exc}") from exc
 
     def resume(self) -> None:
         """SIGCONT a broker stopped by :meth:`pause`."""

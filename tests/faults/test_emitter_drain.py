@@ -14,6 +14,7 @@ import pytest
 
 from trajbus.bus import producer as producer_mod
 from trajbus.bus.producer import close_producer
+from trajbus.infra.processes import freeze
 from trajbus.producers.emitter import SandboxEmitter
 from trajbus.producers.testing import check_streams, create_topics, make_settings, read_topics
 
@@ -29,7 +30,7 @@ async def _close_shared_producer():
 
 @contextlib.contextmanager
 def _paused(pid: int) -> Iterator[None]:
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
     try:
         yield
     finally:
@@ -46,7 +47,7 @@ async def test_drain_delivers_everything_through_a_slow_broker(kafka_broker, uni
     async with SandboxEmitter("sb-slow", "task-a", settings=s) as em:
         await em.start_episode("e1")
         await em.start_episode("e2")
-        os.kill(pid, signal.SIGSTOP)
+        freeze(pid)
         try:
             for i in range(300):
                 await em.tool_call("e1" if i % 2 else "e2", "t", {"i": i})
