@@ -70,7 +70,7 @@ test: setup
 # The layers (tests/unit, tests/kafka, tests/faults; see tests/conftest.py). tests/unit needs no
 # broker and no Java, and sets none up: the fast loop while editing.
 test-unit: $(STAMP)
-	$(PY) -m pytest -n 2 tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadgroup tests/unit $(PYTEST_ARGS)
 
 test-kafka: setup
 	$(PY) -m pytest $(XDIST) tests/kafka $(PYTEST_ARGS)
