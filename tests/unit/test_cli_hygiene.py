@@ -16,6 +16,7 @@ The mistakes operators made against a real broker are in tests/kafka/test_cli_hy
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from pathlib import Path
 import pytest
 from support import REPO
 
-from trajbus.cli import EXIT_BROKEN_PIPE, build_parser, main
+from trajbus.cli import COMMAND_MODULES, COMMAND_OWNERS, EXIT_BROKEN_PIPE, build_parser, main
 from trajbus.infra.broker import free_port
 
 NOISE = ("Traceback (most recent call last)", "Unclosed AIOKafka", "Exception ignored",
@@ -119,6 +120,25 @@ def test_the_walk_finds_the_commands_of_trajbus_help() -> None:
     assert {"kafka up", "topics list", "topics delete", "replay tail", "replay republish",
             "archive sql", "archive run", "status", "worker", "simulate"} <= names
     assert len(names) >= 25
+
+
+def test_each_command_is_built_from_the_module_that_registers_it() -> None:
+    """`trajbus COMMAND` imports only COMMAND_OWNERS[COMMAND]: a command registered elsewhere
+    would not be found, and one missing from the table would slow that command's start."""
+    registered = {}
+    for name in COMMAND_MODULES:
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(name).register(sub)
+        registered.update(dict.fromkeys(sub.choices, name))
+    assert COMMAND_OWNERS == registered
+    for command, owner in COMMAND_OWNERS.items():
+        alone = build_parser(command)
+        full = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction)).choices[command]
+        mine = next(a for a in alone._actions
+                    if isinstance(a, argparse._SubParsersAction)).choices
+        assert set(mine) == {c for c, o in COMMAND_OWNERS.items() if o == owner}
+        assert mine[command].format_help() == full.format_help()
 
 
 @pytest.mark.parametrize("leaf", LEAVES, ids=lambda leaf: leaf.name)
