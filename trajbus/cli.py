@@ -55,7 +55,8 @@ start here:  trajbus kafka up     # a local single-node Kafka (KRaft) on 127.0.0
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The whole command line; with ``command``, only that command's (when it is known)."""
+    """The whole command line; with a known ``command``, only the commands of the module that
+    registers it."""
     parser = argparse.ArgumentParser(
         prog="trajbus",
         description="trajbus: the trajectory data bus for agentic-RL sandbox fleets. "
@@ -111,10 +112,21 @@ def join_relative_times(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def command_word(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` runs: its first word that is not an option (the top-level options
+    take no value). None when the top-level help is asked for before it (``trajbus -h status``
+    lists every command)."""
+    for arg in argv:
+        if arg == "-h" or (len(arg) >= 3 and "--help".startswith(arg)):
+            return None
+        if not arg.startswith("-"):
+            return arg
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = join_relative_times(sys.argv[1:] if argv is None else argv)
-    # the top-level options take no value: the first other word names the command
-    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
+    parser = build_parser(command_word(argv))
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:

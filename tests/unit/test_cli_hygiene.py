@@ -28,7 +28,14 @@ from pathlib import Path
 import pytest
 from support import REPO
 
-from trajbus.cli import COMMAND_MODULES, COMMAND_OWNERS, EXIT_BROKEN_PIPE, build_parser, main
+from trajbus.cli import (
+    COMMAND_MODULES,
+    COMMAND_OWNERS,
+    EXIT_BROKEN_PIPE,
+    build_parser,
+    command_word,
+    main,
+)
 from trajbus.infra.broker import free_port
 
 NOISE = ("Traceback (most recent call last)", "Unclosed AIOKafka", "Exception ignored",
@@ -139,6 +146,25 @@ def test_each_command_is_built_from_the_module_that_registers_it() -> None:
                     if isinstance(a, argparse._SubParsersAction)).choices
         assert set(mine) == {c for c, o in COMMAND_OWNERS.items() if o == owner}
         assert mine[command].format_help() == full.format_help()
+
+
+@pytest.mark.parametrize("argv", [["-h", "status"], ["--debug", "--help", "kafka"],
+                                  ["--he", "archive"], ["--help"]])
+def test_the_top_level_help_lists_every_command_wherever_it_is_asked_for(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 0
+    listed = capsys.readouterr().out.split("COMMAND ...", 1)[1]
+    assert all(command in listed for command in COMMAND_OWNERS), listed
+
+
+def test_the_command_is_the_first_word_that_is_not_an_option() -> None:
+    assert command_word(["--debug", "status", "--json"]) == "status"
+    assert command_word(["archive", "sql", "--help"]) == "archive"
+    assert command_word(["replay", "tail", "--from", "-1h"]) == "replay"
+    assert command_word(["--version"]) is None and command_word([]) is None
+    assert command_word(["--debug", "-h", "status"]) is None
 
 
 @pytest.mark.parametrize("leaf", LEAVES, ids=lambda leaf: leaf.name)
