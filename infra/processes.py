@@ -7,6 +7,7 @@ Linux reads ``/proc``; elsewhere :func:`pid_alive` trusts ``kill(pid, 0)`` and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -54,14 +55,16 @@ def freeze(pid: int, timeout: float = 10.0) -> None:
     """SIGSTOP ``pid`` and return once every thread of it has stopped. The kernel stops the
     threads one by one after the signal is sent: on a loaded machine a thread of a broker was
     seen running 21 ms later, long enough to answer a request sent after ``kill`` returned.
-    Raises ``TimeoutError`` if a thread still runs after ``timeout`` seconds; without
-    ``/proc`` (macOS) returns once the signal is sent."""
+    If a thread still runs after ``timeout`` seconds, resumes the process and raises
+    ``TimeoutError``. Without ``/proc`` (macOS), returns once the signal is sent."""
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout
     while not _all_threads_stopped(pid):
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"process {pid} still has running threads {timeout:.0f}s "
-                               "after SIGSTOP")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)  # never leave it half frozen
+            raise TimeoutError(f"process {pid} still had running threads {timeout:g} s "
+                               "after SIGSTOP (resumed)")
         time.sleep(0.001)
 
 

@@ -46,7 +46,7 @@ def thread_states(pid: int) -> list[str]:
 
 def test_every_thread_is_stopped_when_freeze_returns(
         spinning_process: subprocess.Popen[str]) -> None:
-    # eight threads busy on two cores: right after kill(SIGSTOP) some of them still run
+    # eight runnable threads: right after kill(SIGSTOP) some of them still run
     for _ in range(20):
         freeze(spinning_process.pid)
         states = thread_states(spinning_process.pid)
