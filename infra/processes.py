@@ -35,11 +35,16 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    return _state(f"/proc/{pid}/stat") != "Z"  # None without /proc (macOS): trust kill(0)
+
+
+def _state(stat_file: str) -> str | None:
+    """The state letter (R, S, D, T, Z, ...) of a process's or thread's ``/proc`` stat file,
+    None when it cannot be read. The name before it may hold any character but ")"."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no /proc (macOS): trust kill(0)
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+        return Path(stat_file).read_text().rsplit(")", 1)[-1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def pid_cmdline(pid: int) -> str | None:
@@ -48,7 +53,6 @@ def pid_cmdline(pid: int) -> str | None:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return None
-
 
 
 def freeze(pid: int, timeout: float = 10.0) -> None:
@@ -73,11 +77,6 @@ def _all_threads_stopped(pid: int) -> bool:
         tasks = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
         return True  # no /proc here (macOS), or the process is gone: nothing of it runs
-    for tid in tasks:
-        try:
-            state = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-        except (OSError, IndexError):
-            continue  # the thread exited meanwhile
-        if state not in ("T", "t", "Z", "X"):
-            return False
-    return True
+    # a thread that exited meanwhile (no state) runs no more either
+    return all(_state(f"/proc/{pid}/task/{tid}/stat") in (None, "T", "t", "Z", "X")
+               for tid in tasks)
